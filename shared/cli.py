@@ -1,0 +1,54 @@
+"""Command line for a variant's train.py: draccus over the TrainConfig dataclass, plus presets.
+
+    python variants/dense/train.py                       # built-in CPU default
+    python variants/dense/train.py --preset 125m         # variants/dense/presets/125m.yaml
+    python variants/dense/train.py --model.n_layers 8 --steps 1000
+    python variants/dense/train.py --help                # every field, and the presets
+
+A preset is a YAML file of overrides; flags given after it win.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import draccus
+
+
+def presets(variant_dir: str) -> dict[str, str]:
+    d = os.path.join(variant_dir, "presets")
+    if not os.path.isdir(d):
+        return {}
+    return {f[:-5]: os.path.join(d, f) for f in sorted(os.listdir(d)) if f.endswith(".yaml")}
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
+        e = e.__cause__ or e.__context__
+    return e
+
+
+def parse(config_cls, variant_dir: str, argv: list[str] | None = None):
+    """Parse argv into `config_cls`; exits with one clear line on a bad flag or invalid value."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    known = presets(variant_dir)
+    preset = None
+    for i, a in enumerate(argv):
+        if a == "--preset" and i + 1 < len(argv):
+            preset = argv[i + 1]
+            del argv[i:i + 2]
+            break
+        if a.startswith("--preset="):
+            preset = a.split("=", 1)[1]
+            del argv[i]
+            break
+    if preset is not None and preset not in known:
+        sys.exit(f"error: unknown preset {preset!r} for {os.path.basename(variant_dir)}; presets: {sorted(known)}")
+    if "-h" in argv or "--help" in argv:
+        print(f"presets (--preset NAME, from {os.path.relpath(variant_dir)}/presets/): "
+              f"{', '.join(known) or 'none'}; no preset = the built-in CPU default\n")
+    try:
+        return draccus.parse(config_cls, config_path=known.get(preset), args=argv)
+    except draccus.utils.ParsingError as e:
+        sys.exit(f"error: invalid configuration: {_root_cause(e)}")

@@ -1,0 +1,106 @@
+"""Honest FLOP counting and MFU.
+
+Training FLOPs per token = 3 x forward (forward, plus backward at twice the forward).
+Matmuls count 2 FLOPs per multiply-add. Attention counts only the query-key pairs the
+mask lets through: causal attention at (T+1)/2 keys per query on average, a window W at
+min(t+1, W) keys for query t. Nothing is rounded up; remat recomputation is not counted
+(it is not useful work), so MFU is model FLOPs utilisation.
+
+Peaks are dense (no 2:4 sparsity) tensor-core / MXU figures from vendor data sheets.
+On CPU no data sheet applies, so the peak is measured once by a large matmul and cached.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+
+# device_kind substring -> {dtype: peak FLOP/s per device}. Order matters: first match wins.
+PEAKS = [
+    ("H200", {"bfloat16": 989e12, "float32": 67e12}),
+    ("H100", {"bfloat16": 989e12, "float32": 67e12}),  # SXM; PCIe parts are lower
+    ("B200", {"bfloat16": 2250e12, "float32": 75e12}),
+    ("A100", {"bfloat16": 312e12, "float32": 19.5e12}),
+    ("TPU v6", {"bfloat16": 918e12, "float32": 918e12 / 4}),  # v6e (Trillium)
+    ("TPU v5p", {"bfloat16": 459e12, "float32": 459e12 / 4}),
+    ("TPU v5", {"bfloat16": 459e12, "float32": 459e12 / 4}),  # v5p reports "TPU v5"
+    ("TPU v4", {"bfloat16": 275e12, "float32": 275e12 / 4}),
+]
+
+
+def attention_pairs_per_token(seq_len: int, window: int | None = None, causal: bool = True) -> float:
+    """Mean number of keys one query attends to in a row of `seq_len` tokens."""
+    T = seq_len
+    if not causal:
+        return float(T if window is None else min(window, T))
+    if window is None or window >= T:
+        return (T + 1) / 2
+    W = window  # queries 0..W-1 see t+1 keys, the rest see W
+    return (W * (W + 1) / 2 + (T - W) * W) / T
+
+
+def attention_flops_per_token(seq_len, n_heads, head_dim, window=None, causal=True) -> float:
+    """Training FLOPs per token of one attention layer's score and value matmuls."""
+    pairs = attention_pairs_per_token(seq_len, window, causal)
+    return 3 * (2 * 2 * n_heads * head_dim * pairs)  # QK^T and PV, fwd + 2x bwd
+
+
+def matmul_flops_per_token(n_matmul_params: int) -> float:
+    """Training FLOPs per token of weight matmuls with this many weights (6 N)."""
+    return 6.0 * n_matmul_params
+
+
+def _cache_dir():
+    return os.environ.get("STENCIL_CACHE") or os.path.expanduser("~/.cache/stencil")
+
+
+def measure_cpu_peak(n: int = 2048, repeats: int = 5) -> float:
+    """Best FLOP/s of an n x n fp32 matmul on one CPU device, cached per machine."""
+    key = f"{platform.node()}-{platform.processor() or platform.machine()}-{os.cpu_count()}-{jax.__version__}-{n}"
+    path = os.path.join(_cache_dir(), "cpu_peak.json")
+    try:
+        with open(path) as f:
+            cache = json.load(f)
+    except FileNotFoundError:
+        cache = {}
+    if key in cache:
+        return cache[key]
+    a = jnp.ones((n, n), jnp.float32)
+    mm = jax.jit(lambda x: x @ x)
+    mm(a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mm(a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    peak = 2 * n**3 / best
+    cache[key] = peak
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(cache, f)
+    os.replace(tmp, path)
+    return peak
+
+
+def device_peak(dtype: str = "bfloat16", device=None) -> tuple[float, str]:
+    """(peak FLOP/s of one device for this compute dtype, where the figure comes from)."""
+    device = device or jax.devices()[0]
+    if device.platform == "cpu":
+        # With fake host devices all "devices" share the same cores: the measured peak
+        # is for the whole process, so divide it among them.
+        return measure_cpu_peak() / jax.local_device_count(), "measured fp32 matmul"
+    kind = device.device_kind
+    for sub, peaks in PEAKS:
+        if sub in kind:
+            return peaks["bfloat16" if dtype in ("bfloat16", "float16") else "float32"], f"data sheet {sub}"
+    raise ValueError(f"no peak FLOP/s known for device kind {kind!r}; add it to shared/flops.py PEAKS")
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, n_devices: int, peak_per_device: float) -> float:
+    return flops_per_token * tokens_per_s / (n_devices * peak_per_device)

@@ -1,0 +1,96 @@
+"""Run metrics: a JSONL file always, Weights & Biases when possible, and a progress bar.
+
+wandb mode "auto": online when the user is logged in (WANDB_API_KEY, or `wandb login`'s
+entry in ~/.netrc), otherwise offline with a one-line notice (sync later with
+`wandb sync <run_dir>/wandb`). "disabled" turns it off (the tests do). Only process 0
+logs; the other processes get a Logger that does nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import netrc
+import os
+import sys
+
+from tqdm import tqdm
+
+
+def wandb_logged_in() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (FileNotFoundError, netrc.NetrcParseError):
+        return False
+
+
+def _plain(v):
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # JSON has no NaN/inf
+    return v
+
+
+class Logger:
+    def __init__(self, run_dir: str, config: dict, *, total_steps: int, wandb_mode: str = "auto",
+                 project: str = "stencil", name: str | None = None, start_step: int = 0,
+                 process_index: int = 0, progress: bool = True):
+        self.active = process_index == 0
+        self.run = None
+        self.bar = None
+        if not self.active:
+            return
+        if wandb_mode not in ("auto", "online", "offline", "disabled"):
+            raise ValueError(f"wandb mode must be auto, online, offline or disabled, got {wandb_mode!r}")
+        os.makedirs(run_dir, exist_ok=True)
+        self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        mode = wandb_mode
+        if mode == "auto":
+            mode = "online" if wandb_logged_in() else "offline"
+            if mode == "offline":
+                print(f"wandb: not logged in, logging offline to {run_dir}/wandb (run `wandb login` for online)")
+        if mode != "disabled":
+            import wandb
+
+            self.run = wandb.init(project=project, name=name, dir=run_dir, config=config, mode=mode,
+                                  resume="allow", id=name)
+        if progress:
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                            file=sys.stderr, disable=None)
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.active:
+            return
+        row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.run is not None:
+            self.run.log({k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}, step=step)
+
+    def progress(self, step: int, **shown) -> None:
+        """Advance the bar to `step` and show e.g. loss=..., tok_s=..., mfu=..."""
+        if self.bar is None:
+            return
+        self.bar.update(step - self.bar.n)
+        self.bar.set_postfix({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in shown.items()}, refresh=False)
+
+    def write(self, text: str) -> None:
+        """Print a line without breaking the progress bar."""
+        if not self.active:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if not self.active:
+            return
+        if self.bar is not None:
+            self.bar.close()
+        self.file.close()
+        if self.run is not None:
+            self.run.finish()

@@ -1,0 +1,207 @@
+"""The template: the smallest complete decoder. RMSNorm, RoPE, multi-head attention, SwiGLU.
+
+Parameters are a plain dict of arrays; `param_specs` gives a PartitionSpec for every leaf
+on a mesh with explicit axes `data` (FSDP: weights sharded, gathered at use; batch
+sharded) and `model` (tensor parallelism: heads and FFN width sharded). Layers are
+stacked on a leading axis and run with `jax.lax.scan`.
+
+Every variant is copied from this file (or from a variant copied from it) and then edited.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from jax.sharding import reshard
+
+from shared import flops, kernels
+
+COPIED_FROM = None  # the root of the lineage
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message names the field."""
+
+
+def check(ok: bool, field: str, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field}: {why}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 4096
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    head_dim: int = 64
+    d_ff: int = 704  # SwiGLU hidden width
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"  # "bfloat16" on accelerators
+    attention_backend: str = "auto"  # see shared/kernels/attention.py
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "head_dim", "d_ff"):
+            check(getattr(self, name) > 0, f"model.{name}", f"must be positive, got {getattr(self, name)}")
+        check(self.head_dim % 2 == 0, "model.head_dim", f"RoPE needs an even head_dim, got {self.head_dim}")
+        for name in ("param_dtype", "compute_dtype"):
+            check(getattr(self, name) in ("float32", "bfloat16"), f"model.{name}",
+                  f"must be float32 or bfloat16, got {getattr(self, name)!r}")
+        check(self.init_std > 0, "model.init_std", f"must be positive, got {self.init_std}")
+        check(self.rope_theta > 0, "model.rope_theta", f"must be positive, got {self.rope_theta}")
+
+
+# ---------------------------------------------------------------- parameters
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    D, L, F, V = cfg.d_model, cfg.n_layers, cfg.d_ff, cfg.vocab_size
+    q = cfg.n_heads * cfg.head_dim
+    return {
+        "embed": (V, D),
+        "layers": {
+            "attn_norm": (L, D), "wq": (L, D, q), "wk": (L, D, q), "wv": (L, D, q), "wo": (L, q, D),
+            "mlp_norm": (L, D), "w_gate": (L, D, F), "w_up": (L, D, F), "w_down": (L, F, D),
+        },
+        "final_norm": (D,),
+        "unembed": (D, V),
+    }
+
+
+def param_specs(cfg: ModelConfig) -> dict:
+    """PartitionSpec per leaf: `data` shards the d_model side (FSDP), `model` the width side."""
+    col, row, rep = P(None, "data", "model"), P(None, "model", "data"), P(None, None)
+    return {
+        "embed": P("model", "data"),
+        "layers": {
+            "attn_norm": rep, "wq": col, "wk": col, "wv": col, "wo": row,
+            "mlp_norm": rep, "w_gate": col, "w_up": col, "w_down": row,
+        },
+        "final_norm": P(None),
+        "unembed": P("data", "model"),
+    }
+
+
+def init(cfg: ModelConfig, key) -> dict:
+    """Normal(0, init_std) matrices, output projections scaled by 1/sqrt(2 n_layers), unit norms."""
+    shapes, specs = param_shapes(cfg), param_specs(cfg)
+    dtype = jnp.dtype(cfg.param_dtype)
+    flat, treedef = jax.tree.flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
+    names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+        shapes, is_leaf=lambda s: isinstance(s, tuple))[0]]
+    keys = jax.random.split(key, len(flat))
+    leaves = []
+    for name, shape, k, spec in zip(names, flat, keys, jax.tree.leaves(specs)):
+        if "norm" in name:
+            leaves.append(jnp.ones(shape, dtype, out_sharding=spec))
+            continue
+        std = cfg.init_std / (2 * cfg.n_layers) ** 0.5 if ("wo" in name or "w_down" in name) else cfg.init_std
+        leaves.append(std * jax.random.normal(k, shape, dtype, out_sharding=spec))
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def num_params(cfg: ModelConfig) -> int:
+    return sum(math.prod(s) for s in jax.tree.leaves(param_shapes(cfg), is_leaf=lambda s: isinstance(s, tuple)))
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: every weight matmul (the embedding lookup is not one) plus causal attention."""
+    D, F, L = cfg.d_model, cfg.d_ff, cfg.n_layers
+    q = cfg.n_heads * cfg.head_dim
+    per_layer = 4 * D * q + 3 * D * F
+    matmuls = L * per_layer + D * cfg.vocab_size  # + unembedding
+    attn = L * flops.attention_flops_per_token(seq_len, cfg.n_heads, cfg.head_dim)
+    return flops.matmul_flops_per_token(matmuls) + attn
+
+
+# ---------------------------------------------------------------- the network
+
+def rms_norm(x, w, eps):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def positions(tokens, segment_ids):
+    """Position of each token within its own document (restarts where the segment id changes)."""
+    B, T = tokens.shape
+    t = jnp.broadcast_to(jnp.arange(T), (B, T))
+    if segment_ids is None:
+        return t
+    starts = (t == 0) | (segment_ids != jnp.roll(segment_ids, 1, axis=1))
+    return t - jax.lax.cummax(jnp.where(starts, t, 0), axis=1)
+
+
+def rope(x, pos, theta):
+    """Rotary embedding on [B, T, H, hd] (rotate-half form), angles in fp32."""
+    half = x.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    ang = pos[..., None].astype(jnp.float32) * freq  # [B, T, half]
+    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def gather(w, spec, dtype):
+    """FSDP: all-gather a weight over `data` (keep its `model` sharding) and cast for compute."""
+    return reshard(w, spec).astype(dtype)
+
+
+def block(x, layer, pos, segment_ids, cfg: ModelConfig):
+    dt = x.dtype
+    B, T, _ = x.shape
+    col, row = P(None, "model"), P("model", None)
+
+    h = rms_norm(x, layer["attn_norm"], cfg.norm_eps)
+    q = jnp.einsum("btd,dq->btq", h, gather(layer["wq"], col, dt)).reshape(B, T, cfg.n_heads, cfg.head_dim)
+    k = jnp.einsum("btd,dk->btk", h, gather(layer["wk"], col, dt)).reshape(B, T, cfg.n_heads, cfg.head_dim)
+    v = jnp.einsum("btd,dk->btk", h, gather(layer["wv"], col, dt)).reshape(B, T, cfg.n_heads, cfg.head_dim)
+    q, k = rope(q, pos, cfg.rope_theta), rope(k, pos, cfg.rope_theta)
+    o = kernels.attention(q, k, v, segment_ids=segment_ids, causal=True, backend=cfg.attention_backend)
+    o = o.reshape(B, T, cfg.n_heads * cfg.head_dim)
+    x = x + jnp.einsum("btq,qd->btd", o, gather(layer["wo"], row, dt), out_sharding=P("data", None, None))
+
+    h = rms_norm(x, layer["mlp_norm"], cfg.norm_eps)
+    gate = jnp.einsum("btd,df->btf", h, gather(layer["w_gate"], col, dt))
+    up = jnp.einsum("btd,df->btf", h, gather(layer["w_up"], col, dt))
+    x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, gather(layer["w_down"], row, dt),
+                       out_sharding=P("data", None, None))
+    return x
+
+
+def hidden_states(params, tokens, cfg: ModelConfig, *, segment_ids=None):
+    """Final-norm hidden states [B, T, D] in the compute dtype."""
+    dt = jnp.dtype(cfg.compute_dtype)
+    x = reshard(params["embed"], P(None, None)).at[tokens].get(out_sharding=P("data", None, None)).astype(dt)
+    pos = positions(tokens, segment_ids)
+
+    def step(x, layer):
+        return block(x, layer, pos, segment_ids, cfg), None
+
+    step = jax.checkpoint(step, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    x, _ = jax.lax.scan(step, x, params["layers"])
+    return rms_norm(x, params["final_norm"], cfg.norm_eps)
+
+
+def unembedding(params, cfg: ModelConfig):
+    return reshard(params["unembed"], P(None, "model")).astype(jnp.dtype(cfg.compute_dtype))
+
+
+def forward(params, tokens, cfg: ModelConfig, *, segment_ids=None):
+    """Logits [B, T, V] in fp32. Training uses `loss_fn`, which never holds all of them at once."""
+    h = hidden_states(params, tokens, cfg, segment_ids=segment_ids)
+    return jnp.einsum("btd,dv->btv", h, unembedding(params, cfg), preferred_element_type=jnp.float32)
+
+
+def loss_fn(params, batch, cfg: ModelConfig):
+    """Mean next-token cross-entropy over unmasked tokens. Returns (loss, metrics)."""
+    h = hidden_states(params, batch["tokens"], cfg, segment_ids=batch["segment_ids"])
+    nll, zsq = kernels.cross_entropy(h, unembedding(params, cfg), batch["targets"], batch["loss_mask"])
+    n = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
+    return nll / n, {"loss": nll / n, "z": zsq / n, "tokens": n}

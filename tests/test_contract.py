@@ -1,0 +1,226 @@
+"""The variant contract: every folder under templates/ and variants/ with model.py and
+train.py is found here and must expose the same names and pass the same checks.
+
+model.py: frozen, self-validating `ModelConfig`; `init(cfg, key)`; `param_specs(cfg)`
+matching `init`'s pytree; `forward(params, tokens, cfg, *, segment_ids=None) -> logits`;
+`loss_fn(params, batch, cfg) -> (loss, metrics)`; `COPIED_FROM` naming its parent.
+train.py: `TrainConfig`, `make_train_step(...)`, `main(cfg)`.
+
+Each check runs on an 8-device CPU mesh (data=4, model=2). Abstract traces allocate
+nothing, so the largest preset of every variant is traced too.
+"""
+
+import dataclasses
+import os
+
+import draccus
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shared import cli
+from shared.variant import ROOT, discover, load
+
+VARIANTS = discover()
+
+
+def modules(variant):
+    return load(os.path.join(ROOT, variant, "model.py")), load(os.path.join(ROOT, variant, "train.py"))
+
+
+def tiny(train, **over):
+    """The built-in CPU default model with a small batch, on a data=4 x model=2 mesh."""
+    kw = dict(seq_len=32, batch_size=8, steps=4, warmup_steps=0, mesh_data=4, mesh_model=2, wandb="disabled")
+    kw.update(over)
+    return train.TrainConfig(**kw)
+
+
+def abstract_state(train, cfg, opt):
+    return jax.eval_shape(lambda k: train.init_state(cfg, opt, k), jax.random.key(0))
+
+
+def largest_preset(variant, train):
+    """(name, TrainConfig on the 8-device test mesh) of the preset with the most parameters."""
+    found = []
+    for name, path in cli.presets(os.path.join(ROOT, variant)).items():
+        cfg = draccus.parse(train.TrainConfig, config_path=path, args=[])
+        cfg = dataclasses.replace(cfg, mesh_data=4, mesh_model=2, batch_size=8, grad_accum=1)
+        with jax.set_mesh(train.make_mesh(cfg)):
+            params = abstract_state(train, cfg, train.make_optimizer(cfg)[0])["params"]
+        found.append((sum(x.size for x in jax.tree.leaves(params)), name, cfg))
+    return max(found, key=lambda t: t[0])[1:] if found else None
+
+
+def batch_spec(mesh, cfg):
+    micro = cfg.batch_size // cfg.grad_accum
+    s = NamedSharding(mesh, P(None, "data", None))
+    shape = (cfg.grad_accum, micro, cfg.seq_len)
+    return {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=s),
+            "targets": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=s),
+            "segment_ids": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=s),
+            "loss_mask": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=s)}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_exports(variant):
+    model, train = modules(variant)
+    missing = [f"model.{n}" for n in ("ModelConfig", "init", "param_specs", "forward", "loss_fn", "COPIED_FROM")
+               if not hasattr(model, n)]
+    missing += [f"train.{n}" for n in ("TrainConfig", "make_train_step", "main") if not hasattr(train, n)]
+    assert not missing, f"{variant} lacks {missing}"
+    assert dataclasses.is_dataclass(model.ModelConfig), f"{variant}: ModelConfig is not a dataclass"
+    assert model.ModelConfig.__dataclass_params__.frozen, f"{variant}: ModelConfig must be frozen"
+    assert dataclasses.is_dataclass(train.TrainConfig), f"{variant}: TrainConfig is not a dataclass"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_lineage(variant):
+    model, _ = modules(variant)
+    parent = model.COPIED_FROM
+    if variant == "templates/base":
+        assert parent is None, "templates/base is the root and declares no parent"
+        return
+    assert isinstance(parent, str) and parent, f"{variant}: COPIED_FROM must name the folder it was copied from"
+    assert parent != variant, f"{variant}: COPIED_FROM names itself"
+    assert os.path.isfile(os.path.join(ROOT, parent, "model.py")), \
+        f"{variant}: declared parent {parent!r} does not exist (no {parent}/model.py)"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_config_validates(variant):
+    model, train = modules(variant)
+    cfg = model.ModelConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.n_layers = 3
+    with pytest.raises(ValueError, match="n_layers"):
+        dataclasses.replace(cfg, n_layers=0)
+    with pytest.raises(ValueError, match="batch_size"):
+        train.TrainConfig(batch_size=0)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_param_specs_match_params(variant):
+    model, train = modules(variant)
+    cfg = tiny(train)
+    with jax.set_mesh(train.make_mesh(cfg)):
+        params = jax.eval_shape(lambda k: model.init(cfg.model, k), jax.random.key(0))
+        specs = model.param_specs(cfg.model)
+        assert jax.tree.structure(params) == jax.tree.structure(specs, is_leaf=lambda s: isinstance(s, P)), \
+            f"{variant}: param_specs does not have the pytree structure of init"
+        for (path, x), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                                   jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))):
+            name = jax.tree_util.keystr(path)
+            assert len(spec) == x.ndim, f"{variant}: spec {spec} for {name} has rank {len(spec)}, leaf has {x.ndim}"
+            got = x.sharding.spec
+            assert tuple(got) + (None,) * (x.ndim - len(got)) == tuple(spec), \
+                f"{variant}: init places {name} as {got}, param_specs says {spec}"
+
+
+def _trace(train, cfg):
+    opt, schedule = train.make_optimizer(cfg)
+    mesh = train.make_mesh(cfg)
+    with jax.set_mesh(mesh):
+        state = abstract_state(train, cfg, opt)
+        step = train.make_train_step(cfg, opt, schedule)
+        lowered = step.trace(state, batch_spec(mesh, cfg)).lower()
+        out_state, metrics = lowered.out_info
+    assert jax.tree.structure(out_state) == jax.tree.structure(state)
+    assert "loss" in metrics
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_trace_tiny(variant):
+    _, train = modules(variant)
+    _trace(train, tiny(train, grad_accum=2))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_trace_largest_preset(variant):
+    _, train = modules(variant)
+    found = largest_preset(variant, train)
+    if found is None:
+        pytest.skip(f"{variant} has no presets/")
+    name, cfg = found
+    try:
+        _trace(train, cfg)
+    except Exception as e:
+        raise AssertionError(f"{variant}: preset {name!r} does not trace: {e}") from e
+
+
+def random_batch(cfg, rng):
+    micro = cfg.batch_size // cfg.grad_accum
+    toks = rng.integers(0, cfg.model.vocab_size, (cfg.grad_accum, micro, cfg.seq_len + 1), dtype=np.int32)
+    seg = np.ones(toks[..., 1:].shape, np.int32)
+    seg[..., cfg.seq_len // 2:] = 2
+    mask = np.ones(seg.shape, np.float32)
+    mask[..., cfg.seq_len // 2 - 1] = 0
+    return {"tokens": toks[..., :-1], "targets": toks[..., 1:], "segment_ids": seg, "loss_mask": mask}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_concrete_step(variant):
+    _, train = modules(variant)
+    cfg = tiny(train)
+    opt, schedule = train.make_optimizer(cfg)
+    mesh = train.make_mesh(cfg)
+    with jax.set_mesh(mesh):
+        state = jax.jit(lambda k: train.init_state(cfg, opt, k))(jax.random.key(0))
+        before = jax.tree.map(np.asarray, state["params"])
+        batch = {k: jax.device_put(v, NamedSharding(mesh, P(None, "data", None)))
+                 for k, v in random_batch(cfg, np.random.default_rng(0)).items()}
+        step = train.make_train_step(cfg, opt, schedule)
+        state, m = step(state, batch)
+        state, m2 = step(state, batch)
+    loss, loss2 = float(m["loss"]), float(m2["loss"])
+    assert np.isfinite(loss), f"{variant}: first loss is {loss}"
+    assert abs(loss - np.log(cfg.model.vocab_size)) < 1.0, f"{variant}: initial loss {loss} far from ln(V)"
+    assert loss2 < loss, f"{variant}: a second step on the same batch did not lower the loss ({loss} -> {loss2})"
+    changed = jax.tree.map(lambda a, b: not np.array_equal(a, np.asarray(b)), before, state["params"])
+    assert all(jax.tree.leaves(changed)), f"{variant}: some parameters did not change: {changed}"
+
+
+def _forward(variant, tokens, segment_ids=None):
+    model, train = modules(variant)
+    cfg = tiny(train)
+    with jax.set_mesh(train.make_mesh(cfg)):
+        params = jax.jit(lambda k: model.init(cfg.model, k))(jax.random.key(1))
+        f = jax.jit(lambda p, t, s: model.forward(p, t, cfg.model, segment_ids=s))
+        return np.asarray(f(params, jnp.asarray(tokens), None if segment_ids is None else jnp.asarray(segment_ids)))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_causality(variant):
+    """Changing a later token never changes the logits of earlier positions."""
+    _, train = modules(variant)
+    V, T = train.TrainConfig().model.vocab_size, 32
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, V, (4, T), dtype=np.int32)
+    b = a.copy()
+    b[:, 20:] = rng.integers(0, V, (4, T - 20), dtype=np.int32)
+    la, lb = _forward(variant, a), _forward(variant, b)
+    np.testing.assert_array_equal(la[:, :20], lb[:, :20], err_msg=f"{variant}: later tokens leak into earlier logits")
+    assert not np.allclose(la[:, 20:], lb[:, 20:]), f"{variant}: logits ignore the tokens"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_document_isolation(variant):
+    """A packed row gives each document the logits it gets alone."""
+    _, train = modules(variant)
+    V, T, cut = train.TrainConfig().model.vocab_size, 32, 13
+    rng = np.random.default_rng(1)
+    packed = rng.integers(0, V, (4, T), dtype=np.int32)
+    seg = np.where(np.arange(T) < cut, 1, 2).astype(np.int32)[None].repeat(4, 0)
+    out = _forward(variant, packed, seg)
+    first = np.zeros_like(packed)
+    first[:, :cut] = packed[:, :cut]
+    second = np.zeros_like(packed)
+    second[:, : T - cut] = packed[:, cut:]
+    alone1 = _forward(variant, first, np.where(np.arange(T) < cut, 1, 2).astype(np.int32)[None].repeat(4, 0))
+    alone2 = _forward(variant, second, np.where(np.arange(T) < T - cut, 1, 2).astype(np.int32)[None].repeat(4, 0))
+    np.testing.assert_allclose(out[:, :cut], alone1[:, :cut], rtol=1e-5, atol=1e-5,
+                               err_msg=f"{variant}: document 1 sees document 2")
+    np.testing.assert_allclose(out[:, cut:], alone2[:, : T - cut], rtol=1e-5, atol=1e-5,
+                               err_msg=f"{variant}: document 2 sees document 1")
