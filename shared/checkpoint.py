@@ -122,10 +122,25 @@ def read_metadata(path: str) -> dict:
         return json.load(f)
 
 
+def _concrete_sharding(t, name):
+    """The sharding to read leaf `name` into. Abstract ones (from jax.eval_shape: an
+    AbstractMesh, or none at all for scalars) are placed on the current mesh."""
+    s = t.sharding
+    if isinstance(s, jax.sharding.NamedSharding) and not isinstance(s.mesh, jax.sharding.AbstractMesh):
+        return s
+    if s is not None and not isinstance(s, jax.sharding.NamedSharding):
+        return s
+    mesh = jax.sharding.get_mesh()
+    if mesh.empty:
+        raise CheckpointError(f"target leaf {name} has an abstract sharding and no mesh is set (use jax.set_mesh)")
+    return jax.sharding.NamedSharding(mesh, s.spec if s is not None else jax.sharding.PartitionSpec())
+
+
 def restore(path: str, target):
     """Read checkpoint `path` into the structure, shapes, dtypes and shardings of `target`.
 
-    `target` is a pytree of jax.ShapeDtypeStruct (with `.sharding`) or jax.Arrays.
+    `target` is a pytree of jax.Arrays or jax.ShapeDtypeStruct, e.g. from jax.eval_shape
+    under `jax.set_mesh` (abstract shardings are placed on that mesh; none = replicated).
     Returns (tree, metadata).
     """
     meta = read_metadata(path)
@@ -141,6 +156,7 @@ def restore(path: str, target):
             raise CheckpointError(f"{path}: leaf {name} is {saved['dtype']}{saved['shape']} on disk "
                                   f"but the run expects {np.dtype(t.dtype).name}{list(t.shape)}")
         arr = ts.open(_spec(path, name, meta.get("ocdbt", False)), open=True).result()
-        out.append(jax.make_array_from_callback(tuple(t.shape), t.sharding,
+        sharding = _concrete_sharding(t, name)
+        out.append(jax.make_array_from_callback(tuple(t.shape), sharding,
                                                 lambda idx, a=arr: a[idx].read().result()))
     return jax.tree.unflatten(treedef, out), meta

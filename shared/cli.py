@@ -10,6 +10,7 @@ A preset is a YAML file of overrides; flags given after it win.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -32,6 +33,12 @@ def _root_cause(e: BaseException) -> BaseException:
 def parse(config_cls, variant_dir: str, argv: list[str] | None = None):
     """Parse argv into `config_cls`; exits with one clear line on a bad flag or invalid value."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    log = logging.getLogger("stencil")  # shared/ logs its choices (e.g. the attention backend) here
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
     known = presets(variant_dir)
     preset = None
     for i, a in enumerate(argv):

@@ -27,6 +27,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 log = logging.getLogger("stencil.kernels")
 
@@ -76,13 +77,25 @@ def reference(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None
     B, T, H, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     scale = D**-0.5 if scale is None else scale
-    qg = q.reshape(B, T, Hkv, H // Hkv, D)
+    # Keep q's head sharding on the kv-head axis of the grouped view (explicit meshes).
+    b, t, h, d = _spec(q)
+    qg = q.reshape(B, T, Hkv, H // Hkv, D, out_sharding=_named(b, t, h, None, d))
     logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
     ok = _mask(T, S, causal, window, segment_ids, segment_ids)
     logits = jnp.where(ok, logits, -1e30)
     probs = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v)
-    return out.reshape(B, T, H, D)
+    return out.reshape(B, T, H, D, out_sharding=_named(b, t, h, d))
+
+
+def _spec(x):
+    """The PartitionSpec of x under an explicit mesh (4 Nones when there is no mesh)."""
+    spec = tuple(jax.typeof(x).sharding.spec) if not jax.sharding.get_abstract_mesh().empty else ()
+    return spec + (None,) * (x.ndim - len(spec))
+
+
+def _named(*spec):
+    return None if jax.sharding.get_abstract_mesh().empty else P(*spec)
 
 
 # ---------------------------------------------------------------- cuDNN (GPU)

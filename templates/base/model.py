@@ -34,12 +34,12 @@ def check(ok: bool, field: str, why: str) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    vocab_size: int = 4096
-    d_model: int = 256
+    vocab_size: int = 2048
+    d_model: int = 128
     n_layers: int = 4
     n_heads: int = 4
-    head_dim: int = 64
-    d_ff: int = 704  # SwiGLU hidden width
+    head_dim: int = 32
+    d_ff: int = 384  # SwiGLU hidden width
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
@@ -156,15 +156,15 @@ def gather(w, spec, dtype):
 def block(x, layer, pos, segment_ids, cfg: ModelConfig):
     dt = x.dtype
     B, T, _ = x.shape
-    col, row = P(None, "model"), P("model", None)
+    col, row, heads = P(None, "model"), P("model", None), P("data", None, "model", None)
 
     h = rms_norm(x, layer["attn_norm"], cfg.norm_eps)
-    q = jnp.einsum("btd,dq->btq", h, gather(layer["wq"], col, dt)).reshape(B, T, cfg.n_heads, cfg.head_dim)
-    k = jnp.einsum("btd,dk->btk", h, gather(layer["wk"], col, dt)).reshape(B, T, cfg.n_heads, cfg.head_dim)
-    v = jnp.einsum("btd,dk->btk", h, gather(layer["wv"], col, dt)).reshape(B, T, cfg.n_heads, cfg.head_dim)
+    q = jnp.einsum("btd,dq->btq", h, gather(layer["wq"], col, dt)).reshape(B, T, cfg.n_heads, cfg.head_dim, out_sharding=heads)
+    k = jnp.einsum("btd,dk->btk", h, gather(layer["wk"], col, dt)).reshape(B, T, cfg.n_heads, cfg.head_dim, out_sharding=heads)
+    v = jnp.einsum("btd,dk->btk", h, gather(layer["wv"], col, dt)).reshape(B, T, cfg.n_heads, cfg.head_dim, out_sharding=heads)
     q, k = rope(q, pos, cfg.rope_theta), rope(k, pos, cfg.rope_theta)
     o = kernels.attention(q, k, v, segment_ids=segment_ids, causal=True, backend=cfg.attention_backend)
-    o = o.reshape(B, T, cfg.n_heads * cfg.head_dim)
+    o = o.reshape(B, T, cfg.n_heads * cfg.head_dim, out_sharding=P("data", None, "model"))
     x = x + jnp.einsum("btq,qd->btd", o, gather(layer["wo"], row, dt), out_sharding=P("data", None, None))
 
     h = rms_norm(x, layer["mlp_norm"], cfg.norm_eps)

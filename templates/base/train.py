@@ -38,10 +38,10 @@ check = model.check
 class TrainConfig:
     model: model.ModelConfig = field(default_factory=model.ModelConfig)
     data: data.DataConfig = field(default_factory=data.DataConfig)
-    seq_len: int = 256  # tokens per row
-    batch_size: int = 16  # rows per optimizer step, over all devices
+    seq_len: int = 128  # tokens per row
+    batch_size: int = 32  # rows per optimizer step, over all devices
     grad_accum: int = 1  # micro-batches per step (batch_size must divide)
-    steps: int = 300  # optimizer steps of the whole run (sets the schedule)
+    steps: int = 220  # optimizer steps of the whole run (sets the schedule)
     stop_at: int = 0  # stop early after this step with a checkpoint (time-limited jobs); 0 = run to `steps`
     lr: float = 3e-3  # peak learning rate
     min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio (cosine decay)
@@ -222,14 +222,14 @@ def main(cfg: TrainConfig) -> dict:
         key = jax.random.key(cfg.seed)
         start = 0
         if last:
-            abstract = jax.eval_shape(lambda k: init_state(cfg, optimizer, k), key)
-            state, meta = checkpoint.restore(last, abstract)
-            saved = meta["config"]
+            saved = checkpoint.read_metadata(last)["config"]
             for part in ("model", "data"):
                 now = dataclasses.asdict(getattr(cfg, part))
                 diff = {k: (saved[part].get(k), v) for k, v in now.items() if saved[part].get(k) != v}
                 if diff:
                     raise TrainingError(f"--resume: {part} config differs from {last}: {diff} (saved, now)")
+            abstract = jax.eval_shape(lambda k: init_state(cfg, optimizer, k), key)
+            state, meta = checkpoint.restore(last, abstract)
             loader.restore(meta["loader"])
             start = meta["step"]
         else:
@@ -293,7 +293,7 @@ def main(cfg: TrainConfig) -> dict:
                         val_loss = evaluate(eval_step, state["params"], val, mesh)
                         row["val_loss"] = val_loss
                     log.log(step, row)
-                    log.progress(step, loss=row["loss"], tok_s=round(tok_s), mfu=f"{row['mfu']:.1%}")
+                    log.progress(step, loss=row["loss"], tok_s=f"{tok_s:,.0f}", mfu=f"{row['mfu']:.1%}")
                     log.write(f"step {step:6d}  loss {row['loss']:.4f}  "
                               + (f"val {val_loss:.4f}  " if "val_loss" in row else "")
                               + f"{tok_s:,.0f} tok/s  MFU {row['mfu']:.1%} ({peak_src})")

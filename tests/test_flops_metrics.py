@@ -1,0 +1,59 @@
+"""shared/flops counts what the masks let through; shared/metrics writes what it is given."""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from shared import flops, metrics
+from shared.variant import ROOT, load
+
+
+@pytest.mark.parametrize("T,W", [(16, None), (16, 4), (7, 7), (7, 20), (100, 1)])
+def test_attention_pairs_count_the_mask(T, W):
+    t, s = np.arange(T)[:, None], np.arange(T)[None, :]
+    allowed = (s <= t) & ((t - s < W) if W else True)
+    assert flops.attention_pairs_per_token(T, W) == pytest.approx(allowed.sum() / T)
+
+
+def test_dense_flops_per_token_counts_every_matmul_once():
+    model = load(os.path.join(ROOT, "variants", "dense", "model.py"))
+    cfg = model.ModelConfig(vocab_size=100, d_model=8, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4, d_ff=12)
+    shapes = model.param_shapes(cfg)
+    matmul = sum(math.prod(s) for k, s in shapes["layers"].items() if "norm" not in k) + math.prod(shapes["unembed"])
+    attn = 2 * 3 * 2 * 2 * cfg.n_heads * cfg.head_dim * (10 + 1) / 2
+    assert model.flops_per_token(cfg, 10) == pytest.approx(6 * matmul + attn)
+
+
+def test_mfu_and_peaks(monkeypatch):
+    assert flops.mfu(1e9, 1e3, 2, 1e12) == pytest.approx(0.5)
+
+    class Dev:
+        platform, device_kind = "gpu", "NVIDIA H100 80GB HBM3"
+
+    assert flops.device_peak("bfloat16", Dev()) == (989e12, "data sheet H100")
+    Dev.device_kind = "TPU v6 lite"
+    assert flops.device_peak("bfloat16", Dev())[0] == 918e12
+    Dev.device_kind = "Mystery 9000"
+    with pytest.raises(ValueError, match="Mystery 9000"):
+        flops.device_peak("bfloat16", Dev())
+    peak, src = flops.device_peak("float32")  # CPU: measured and cached
+    assert peak > 1e8 and src == "measured fp32 matmul"
+    assert flops.device_peak("float32")[0] == peak
+
+
+def test_logger_writes_jsonl_and_only_on_process_zero(tmp_path):
+    log = metrics.Logger(str(tmp_path), {"a": 1}, total_steps=3, wandb_mode="disabled", progress=False)
+    log.log(1, {"loss": 2.5, "nan": float("nan")})
+    log.log(2, {"loss": np.float32(2.0)})
+    log.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 1, "loss": 2.5, "nan": "nan"}, {"step": 2, "loss": 2.0}]
+    other = metrics.Logger(str(tmp_path / "p1"), {}, total_steps=3, wandb_mode="disabled", process_index=1)
+    other.log(1, {"loss": 1.0})
+    other.close()
+    assert not (tmp_path / "p1").exists()
+    with pytest.raises(ValueError, match="wandb mode"):
+        metrics.Logger(str(tmp_path), {}, total_steps=1, wandb_mode="sometimes")

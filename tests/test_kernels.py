@@ -1,0 +1,117 @@
+"""shared/kernels: the reference attention against a plain loop, dispatch rules, cross-entropy."""
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from shared import kernels
+
+attn_mod = importlib.import_module("shared.kernels.attention")  # the module, not the function
+
+
+def loop_attention(q, k, v, seg, causal, window):
+    """One query at a time in numpy float64: the definition of the masks."""
+    B, T, H, D = q.shape
+    G = H // k.shape[2]
+    out = np.zeros(q.shape)
+    for b in range(B):
+        for h in range(H):
+            for t in range(T):
+                keys = [s for s in range(k.shape[1])
+                        if (not causal or s <= t) and (window is None or t - s < window)
+                        and (seg is None or seg[b, s] == seg[b, t])]
+                logits = np.array([q[b, t, h] @ k[b, s, h // G] for s in keys]) / np.sqrt(D)
+                p = np.exp(logits - logits.max())
+                p /= p.sum()
+                out[b, t, h] = sum(pi * v[b, s, h // G] for pi, s in zip(p, keys))
+    return out
+
+
+@pytest.mark.parametrize("causal,window,segments", [(True, None, False), (True, 3, False), (True, None, True),
+                                                    (True, 4, True), (False, None, True)])
+def test_reference_matches_loop(causal, window, segments):
+    rng = np.random.default_rng(0)
+    B, T, H, Hkv, D = 2, 9, 4, 2, 8
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in [(B, T, H, D), (B, T, Hkv, D), (B, T, Hkv, D)])
+    seg = np.array([[1] * 4 + [2] * 5, [1] * 9], np.int32) if segments else None
+    got = kernels.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal=causal, window=window,
+                            segment_ids=None if seg is None else jnp.asarray(seg), backend="reference")
+    np.testing.assert_allclose(np.asarray(got), loop_attention(q, k, v, seg, causal, window), rtol=1e-5, atol=1e-5)
+
+
+def test_auto_is_reference_on_cpu_and_named_backends_never_fall_back(monkeypatch):
+    assert jax.default_backend() == "cpu"
+    assert kernels.available_backends() == ["reference"]
+    q = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
+    calls = []
+    monkeypatch.setitem(attn_mod.BACKENDS, "reference", attn_mod.Backend(
+        "reference", lambda: None, lambda c: None, lambda *a, **kw: calls.append(1) or attn_mod.reference(*a, **kw)))
+    kernels.attention(q, q, q)
+    assert calls == [1], "auto did not pick the reference on CPU"
+    with pytest.raises(kernels.AttentionError, match="needs an NVIDIA GPU"):
+        kernels.attention(q, q, q, backend="cudnn")
+    with pytest.raises(kernels.AttentionError, match="unknown attention backend 'flash'"):
+        kernels.attention(q, q, q, backend="flash")
+
+
+def test_backend_refuses_masks_it_cannot_express(monkeypatch):
+    """Pretend cuDNN is present: a call it cannot express is refused by name, not run without the mask."""
+    cud = attn_mod.BACKENDS["cudnn"]
+    ran = []
+    monkeypatch.setitem(attn_mod.BACKENDS, "cudnn", attn_mod.Backend(
+        "cudnn", lambda: None, cud.refuses, lambda *a, **kw: ran.append(1)))
+    q16 = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
+    with pytest.raises(kernels.AttentionError, match="sliding window only together with the causal mask"):
+        kernels.attention(q16, q16, q16, causal=False, window=4, backend="cudnn")
+    with pytest.raises(kernels.AttentionError, match="bfloat16/float16"):
+        kernels.attention(q16.astype(jnp.float32), q16.astype(jnp.float32), q16.astype(jnp.float32), backend="cudnn")
+    assert not ran
+    # auto skips the refusing backend and lands on the reference, which honours the window
+    out = kernels.attention(q16, q16, q16, causal=False, window=4)
+    assert out.shape == q16.shape and not ran
+
+
+def test_bad_shapes_and_window_are_rejected():
+    q = jnp.ones((1, 4, 3, 8))
+    with pytest.raises(kernels.AttentionError, match="bad shapes"):
+        kernels.attention(q, jnp.ones((1, 4, 2, 8)), jnp.ones((1, 4, 2, 8)))
+    with pytest.raises(kernels.AttentionError, match="window must be >= 1"):
+        kernels.attention(q, q, q, window=0)
+
+
+def test_cross_entropy_matches_full_logits_and_gradients():
+    rng = np.random.default_rng(0)
+    B, T, D, V = 2, 12, 16, 50
+    h = jnp.asarray(rng.standard_normal((B, T, D)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((D, V)) * 0.3, jnp.float32)
+    t = jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)
+    m = jnp.asarray(rng.random((B, T)) > 0.2, jnp.float32)
+
+    def full(h, w):
+        logits = h @ w
+        lse = jax.nn.logsumexp(logits, -1)
+        nll = lse - jnp.take_along_axis(logits, t[..., None], -1)[..., 0]
+        return jnp.sum(nll * m) + 0.1 * jnp.sum(lse**2 * m)
+
+    def chunked(h, w):  # max_logits forces chunks of 2 positions: 6 chunks
+        nll, zsq = kernels.cross_entropy(h, w, t, m, max_logits=B * 2 * V)
+        return nll + 0.1 * zsq
+
+    assert kernels.cross_entropy.__module__.endswith("cross_entropy")
+    np.testing.assert_allclose(chunked(h, w), full(h, w), rtol=1e-5)
+    for a, b in zip(jax.grad(chunked, (0, 1))(h, w), jax.grad(full, (0, 1))(h, w)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_cross_entropy_holds_one_chunk_of_logits():
+    """The compiled program's temporaries stay near one chunk, far below the full logits."""
+    B, T, D, V = 4, 256, 32, 8192
+    h, w = jnp.ones((B, T, D)), jnp.ones((D, V)) * 0.01
+    t, m = jnp.zeros((B, T), jnp.int32), jnp.ones((B, T))
+    full_bytes = B * T * V * 4
+    loss = lambda h, w: kernels.cross_entropy(h, w, t, m, max_logits=B * 16 * V)[0]  # noqa: E731
+    mem = jax.jit(jax.grad(loss, (0, 1))).lower(h, w).compile().memory_analysis()
+    assert mem.temp_size_in_bytes < full_bytes / 4, (mem.temp_size_in_bytes, full_bytes)

@@ -1,0 +1,180 @@
+"""The dense train loop as a user relies on it: exact resume, restore on other device
+counts, gradient accumulation, early config errors, clear data errors, NaN handling."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shared import checkpoint, data
+from shared.variant import ROOT, load
+
+train = load(os.path.join(ROOT, "variants", "dense", "train.py"))
+model = train.model
+SCRIPT = os.path.join(ROOT, "variants", "dense", "train.py")
+
+
+def small(small_corpus, run_dir, **over):
+    kw = dict(
+        data=data.DataConfig(source=small_corpus, val_fraction=0.1),
+        model=model.ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128),
+        seq_len=32, batch_size=8, steps=6, warmup_steps=1, eval_every=3, eval_batches=2, log_every=1,
+        save_every=3, run_dir=str(run_dir), wandb="disabled", sample_tokens=0)
+    kw.update(over)
+    return train.TrainConfig(**kw)
+
+
+def arrays(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_resume_is_bit_exact(small_corpus, tmp_path):
+    straight = train.main(small(small_corpus, tmp_path / "a"))
+    first = train.main(small(small_corpus, tmp_path / "b", stop_at=3))
+    assert sorted(first["losses"]) == [1, 2, 3]
+    resumed = train.main(small(small_corpus, tmp_path / "b", resume=True))
+    assert sorted(resumed["losses"]) == [4, 5, 6]
+    assert {**first["losses"], **resumed["losses"]} == straight["losses"]  # exact floats, same data order
+    for a, b in zip(arrays(straight["state"]), arrays(resumed["state"])):
+        np.testing.assert_array_equal(a, b)
+    meta_a = checkpoint.read_metadata(checkpoint.latest(str(tmp_path / "a" / "checkpoints")))
+    meta_b = checkpoint.read_metadata(checkpoint.latest(str(tmp_path / "b" / "checkpoints")))
+    assert meta_a["loader"] == meta_b["loader"] and meta_a["step"] == meta_b["step"] == 6
+
+
+def test_fresh_run_refuses_to_overwrite_checkpoints(small_corpus, tmp_path):
+    train.main(small(small_corpus, tmp_path, steps=2, save_every=0))
+    with pytest.raises(train.TrainingError, match="--resume"):
+        train.main(small(small_corpus, tmp_path, steps=2, save_every=0))
+    with pytest.raises(train.TrainingError, match="model config differs"):
+        train.main(small(small_corpus, tmp_path, steps=4, save_every=0, resume=True,
+                         model=model.ModelConfig(vocab_size=512, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2,
+                                                 head_dim=16, d_ff=128)))
+
+
+def _batch(cfg, mesh, accum):
+    corpus = data.load_corpus(cfg.data, cfg.model.vocab_size, progress=False)
+    rows = data.Loader(corpus.train, cfg.seq_len, cfg.batch_size, 0).next()
+    return train.to_device(rows, mesh, (accum,))
+
+
+def test_restore_onto_other_device_count(small_corpus, tmp_path):
+    """Saved from 8 devices (data=8), restored on 2 (data=2) and 1: same values, same next step."""
+    cfg = small(small_corpus, tmp_path, steps=3, save_every=0)
+    out = train.main(cfg)
+    path = checkpoint.latest(str(tmp_path / "checkpoints"))
+    opt, schedule = train.make_optimizer(cfg)
+    results = []
+    for devices in (jax.devices(), jax.devices()[:2], jax.devices()[:1]):
+        mesh = train.make_mesh(cfg, devices)
+        with jax.set_mesh(mesh):
+            target = jax.eval_shape(lambda k: train.init_state(cfg, opt, k), jax.random.key(0))
+            state, meta = checkpoint.restore(path, target)
+            assert meta["step"] == 3
+            assert state["params"]["layers"]["wq"].sharding.mesh.size == len(devices)
+            for a, b in zip(arrays(out["state"]), arrays(state)):
+                np.testing.assert_array_equal(a, b)
+            _, m = train.make_train_step(cfg, opt, schedule)(state, _batch(cfg, mesh, 1))
+            results.append(float(m["loss"]))
+    np.testing.assert_allclose(results, results[0], rtol=2e-6)
+
+
+def test_grad_accumulation_equals_large_batch(small_corpus, tmp_path):
+    cfg1 = small(small_corpus, tmp_path, batch_size=16)
+    cfg4 = small(small_corpus, tmp_path, batch_size=16, grad_accum=2)
+    mesh = train.make_mesh(cfg1)
+    opt, schedule = train.make_optimizer(cfg1)
+    with jax.set_mesh(mesh):
+        init = jax.jit(lambda k: train.init_state(cfg1, opt, k))
+        s1, m1 = train.make_train_step(cfg1, opt, schedule)(init(jax.random.key(0)), _batch(cfg1, mesh, 1))
+        s4, m4 = train.make_train_step(cfg4, opt, schedule)(init(jax.random.key(0)), _batch(cfg4, mesh, 2))
+    np.testing.assert_allclose(float(m1["loss"]), float(m4["loss"]), rtol=1e-6)
+    np.testing.assert_allclose(float(m1["grad_norm"]), float(m4["grad_norm"]), rtol=1e-5)
+    for a, b in zip(arrays(s1["params"]), arrays(s4["params"])):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_impossible_configs_fail_before_compiling(small_corpus, tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="grad_accum"):
+        small(small_corpus, tmp_path, batch_size=6, grad_accum=4)
+    with pytest.raises(ValueError, match="n_heads"):
+        model.ModelConfig(n_heads=6, n_kv_heads=4)
+    with pytest.raises(ValueError, match="compute_dtype"):
+        model.ModelConfig(compute_dtype="float16")
+    monkeypatch.setattr(train, "make_train_step", lambda *a: pytest.fail("compiled before validating"))
+    with pytest.raises(ValueError, match="batch_size.*divisible by the data axis"):
+        train.main(small(small_corpus, tmp_path, batch_size=4))  # 8 devices on `data`
+    with pytest.raises(ValueError, match="mesh_data"):
+        train.main(small(small_corpus, tmp_path, mesh_data=3))
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        train.main(small(small_corpus, tmp_path, mesh_data=2, mesh_model=4))
+
+
+def test_missing_or_empty_data_path(tmp_path):
+    cfg = train.TrainConfig(data=data.DataConfig(source=str(tmp_path / "nowhere" / "*.jsonl")),
+                            run_dir=str(tmp_path / "run"), wandb="disabled")
+    with pytest.raises(data.DataError, match="nowhere"):
+        train.main(cfg)
+    (tmp_path / "empty.txt").write_text("")
+    cfg = train.TrainConfig(data=data.DataConfig(source=str(tmp_path / "empty.txt")),
+                            run_dir=str(tmp_path / "run2"), wandb="disabled")
+    with pytest.raises(data.DataError, match="empty"):
+        train.main(cfg)
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(small_corpus, tmp_path, monkeypatch):
+    real = train.make_train_step
+
+    def poisoned(*args):
+        step, calls = real(*args), [0]
+
+        def wrapped(state, batch):
+            state, m = step(state, batch)
+            calls[0] += 1
+            if calls[0] == 5:  # step 5 blows up: NaN loss and NaN parameters
+                state = jax.tree.map(lambda x: x * jnp.nan if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+                m = dict(m, loss=m["loss"] * jnp.nan)
+            return state, m
+
+        return wrapped
+
+    monkeypatch.setattr(train, "make_train_step", poisoned)
+    with pytest.raises(train.TrainingError, match=r"loss is nan at step 5.*step_00000003"):
+        train.main(small(small_corpus, tmp_path, steps=8, save_every=3))
+    ckpts = checkpoint.all_checkpoints(str(tmp_path / "checkpoints"))
+    assert [os.path.basename(c) for c in ckpts] == ["step_00000003"]
+    cfg = small(small_corpus, tmp_path, steps=8, save_every=3)
+    opt, _ = train.make_optimizer(cfg)
+    with jax.set_mesh(train.make_mesh(cfg)):
+        target = jax.eval_shape(lambda k: train.init_state(cfg, opt, k), jax.random.key(0))
+        state, meta = checkpoint.restore(ckpts[0], target)
+    assert meta["step"] == 3 and all(np.isfinite(a).all() for a in arrays(state["params"]))
+
+
+def run_cli(*args, **kw):
+    env = dict(os.environ, WANDB_MODE="disabled")
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, env=env, timeout=300, **kw)
+
+
+def test_cli_trains_samples_and_reports_bad_flags(small_corpus, tmp_path):
+    r = run_cli("--data.source", small_corpus, "--model.vocab_size", "512", "--seq_len", "32", "--batch_size", "8",
+                "--steps", "4", "--warmup_steps", "1", "--log_every", "2", "--eval_every", "2",
+                "--run_dir", str(tmp_path / "run"), "--wandb", "disabled", "--sample_tokens", "8")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "step      4" in r.stdout + r.stderr and "--- sample after 4 steps ---" in r.stdout
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 2
+    assert checkpoint.latest(str(tmp_path / "run" / "checkpoints")).endswith("step_00000004")
+
+    bad = run_cli("--model.n_heads", "6", "--model.n_kv_heads", "4")
+    assert bad.returncode == 1 and "model.n_heads" in bad.stderr and "Traceback" not in bad.stderr
+
+    usage = run_cli("--help")
+    assert usage.returncode == 0
+    for text in ("--model.n_kv_heads", "--grad_accum", "--data.source", "125m", "8b"):
+        assert text in usage.stdout, f"--help does not mention {text}"
