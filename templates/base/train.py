@@ -266,7 +266,6 @@ def main(cfg: TrainConfig) -> dict:
             losses[step] = loss
             return m
 
-        step = start
         try:
             for step in range(start + 1, end + 1):
                 b = loader.next()
@@ -307,11 +306,6 @@ def main(cfg: TrainConfig) -> dict:
                 settle(*pending)
             if end > start:
                 save(end, state)
-        except KeyboardInterrupt:
-            if pending is not None:
-                settle(*pending)
-            log.write(f"interrupted: saved {save(step, state)}")
-            raise
         finally:
             log.close()
 
