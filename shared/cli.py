@@ -6,6 +6,11 @@
     python variants/dense/train.py --help                # every field, and the presets
 
 A preset is a YAML file of overrides; flags given after it win.
+
+Under a multi-process launcher (SLURM, Kubernetes, a TPU slice, launch/local.py; see
+shared/distributed.py) `parse` also starts JAX's distributed runtime, checks that every
+process parsed the same config, and makes an uncaught exception on process i stop the run
+with "process i failed: ...".
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import os
 import sys
 
 import draccus
+
+from shared import distributed
 
 
 def presets(variant_dir: str) -> dict[str, str]:
@@ -52,10 +59,22 @@ def parse(config_cls, variant_dir: str, argv: list[str] | None = None):
             break
     if preset is not None and preset not in known:
         sys.exit(f"error: unknown preset {preset!r} for {os.path.basename(variant_dir)}; presets: {sorted(known)}")
-    if "-h" in argv or "--help" in argv:
+    helping = "-h" in argv or "--help" in argv
+    if not helping:
+        try:
+            distributed.initialize()  # before anything touches a JAX backend
+        except distributed.DistributedError as e:
+            sys.exit(f"error: {e}")
+    if helping:
         print(f"presets (--preset NAME, from {os.path.relpath(variant_dir)}/presets/): "
               f"{', '.join(known) or 'none'}; no preset = the built-in CPU default\n")
     try:
-        return draccus.parse(config_cls, config_path=known.get(preset), args=argv)
+        config = draccus.parse(config_cls, config_path=known.get(preset), args=argv)
     except draccus.utils.ParsingError as e:
         sys.exit(f"error: invalid configuration: {_root_cause(e)}")
+    distributed.install_failure_hook()
+    try:
+        distributed.check_same_config(config)
+    except distributed.DistributedError as e:
+        sys.exit(f"error: {e}")
+    return config

@@ -25,7 +25,7 @@ import optax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from shared import checkpoint, cli, data, flops, metrics  # noqa: E402
+from shared import checkpoint, cli, data, distributed, flops, metrics  # noqa: E402
 from shared.variant import sibling  # noqa: E402
 
 model = sibling(__file__, "model")
@@ -170,7 +170,8 @@ def sample(params, cfg: TrainConfig, corpus, mesh, n_tokens: int, key) -> str:
     def next_token(params, tokens, i, key):
         logits = model.forward(params, tokens, cfg.model)
         last = jax.lax.dynamic_index_in_dim(logits, i - 1, axis=1, keepdims=False)
-        return jax.random.categorical(key, last / 0.8, axis=-1)
+        # replicated, so every process can read it (multi-process)
+        return jax.sharding.reshard(jax.random.categorical(key, last / 0.8, axis=-1), P())
 
     tokens = jax.device_put(buf, NamedSharding(mesh, P("data", None)))
     out = list(prompt)
@@ -197,7 +198,8 @@ def pick_run_dir(cfg: TrainConfig) -> str:
         if not runs:
             raise TrainingError(f"--resume: no runs/{VARIANT}-*/ with a checkpoint in {os.getcwd()}; pass --run_dir")
         return runs[-1]
-    return os.path.join("runs", f"{VARIANT}-{time.strftime('%Y%m%d-%H%M%S')}")
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(distributed.start_time()))  # process 0's clock
+    return os.path.join("runs", f"{VARIANT}-{stamp}")
 
 
 def main(cfg: TrainConfig) -> dict:

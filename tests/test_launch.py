@@ -1,0 +1,263 @@
+"""launch/ and shared/distributed.py: a real 2-process x 4-device run on loopback whose
+checkpoint a single 8-device process resumes with the same losses, the generators' output,
+and failures that stop the whole run instead of hanging it."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import yaml
+
+from shared import data
+from shared.variant import ROOT, load
+
+sys.path.insert(0, os.path.join(ROOT, "launch"))
+import k8s  # noqa: E402
+import skypilot  # noqa: E402
+import slurm  # noqa: E402
+import tpu_vm  # noqa: E402
+
+train = load(os.path.join(ROOT, "variants", "dense", "train.py"))
+LOCAL = os.path.join(ROOT, "launch", "local.py")
+SCRIPT = os.path.join(ROOT, "variants", "dense", "train.py")
+TINY = ["--model.vocab_size", "512", "--model.d_model", "64", "--model.n_layers", "2", "--model.n_heads", "4",
+        "--model.n_kv_heads", "2", "--model.head_dim", "16", "--model.d_ff", "128", "--seq_len", "32",
+        "--batch_size", "8", "--steps", "4", "--warmup_steps", "1", "--log_every", "1", "--eval_every", "2",
+        "--eval_batches", "2", "--save_every", "2", "--sample_tokens", "0", "--wandb", "disabled",
+        "--data.val_fraction", "0.1"]
+
+
+def tiny_cfg(small_corpus, run_dir, **over):
+    m = train.model.ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                                d_ff=128)
+    kw = dict(model=m, data=data.DataConfig(source=small_corpus, val_fraction=0.1), seq_len=32, batch_size=8,
+              steps=4, warmup_steps=1, log_every=1, eval_every=2, eval_batches=2, save_every=2, sample_tokens=0,
+              wandb="disabled", run_dir=str(run_dir))
+    kw.update(over)
+    return train.TrainConfig(**kw)
+
+
+def sub_env(**extra):
+    env = dict(os.environ, WANDB_MODE="disabled", JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    for k in ("STENCIL_COORDINATOR", "STENCIL_NUM_PROCESSES", "STENCIL_PROCESS_ID", "STENCIL_DISTRIBUTED"):
+        env.pop(k, None)
+    env.update(extra)  # STENCIL_CACHE: conftest's session tmp dir, so the tokenizer is the in-process one
+    return env
+
+
+def losses(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f)}
+
+
+def test_two_processes_then_resume_on_one(small_corpus, tmp_path):
+    t0 = time.perf_counter()  # first, so the tokenizer and CPU peak are cached for the subprocesses
+    straight = train.main(tiny_cfg(small_corpus, tmp_path / "single"))
+    t_single = time.perf_counter() - t0
+    assert sorted(straight["losses"]) == [1, 2, 3, 4]
+    mp_dir = tmp_path / "mp"
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, LOCAL, "--nproc", "2", "--devices", "4", "--variant", "dense", "--",
+                        *TINY, "--stop_at", "2", "--data.source", small_corpus, "--run_dir", str(mp_dir)],
+                       env=sub_env(), capture_output=True, text=True, timeout=400)
+    t_mp = time.perf_counter() - t0
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert "[p1] stencil: distributed (explicit): process 1 of 2, 4 local / 8 global devices" in r.stdout
+    assert "mesh {'data': 8, 'model': 1}" in r.stdout
+    assert os.path.isdir(mp_dir / "checkpoints" / "step_00000002")
+    assert sorted(losses(mp_dir)) == [1, 2]
+
+    resumed = train.main(tiny_cfg(small_corpus, mp_dir, resume=True))  # one process, 8 devices (conftest)
+    assert sorted(resumed["losses"]) == [3, 4]
+    got, want = losses(mp_dir), losses(tmp_path / "single")
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4]
+    np.testing.assert_allclose([got[s] for s in range(1, 5)], [want[s] for s in range(1, 5)], rtol=1e-5)
+    print(f"\nwall time: 2 processes x 4 devices, 2 steps + save (subprocess, incl. start-up) {t_mp:.1f}s; "
+          f"single process x 8 devices, 4 steps (in-process, cold tokenizer cache) {t_single:.1f}s")
+
+
+def _children(pid):
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+def test_killed_process_stops_the_run(small_corpus, tmp_path):
+    p = subprocess.Popen([sys.executable, LOCAL, "--nproc", "2", "--devices", "4", "--", *TINY, "--steps", "200",
+                          "--data.source", small_corpus, "--run_dir", str(tmp_path / "run")],
+                         env=sub_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out = []
+        for line in p.stdout:
+            out.append(line)
+            if "[p1] stencil: distributed" in line:
+                break
+        kids = _children(p.pid)
+        assert len(kids) == 2, out
+        os.kill(kids[1], signal.SIGKILL)  # Popen order: process 1
+        rest, _ = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode != 0
+    assert "launch/local.py: process 1 was killed by SIGKILL; stopped the other processes" in rest
+
+
+def _pair(extra0, extra1, args, port, timeout=120):
+    """Processes 0 and 1 started by hand (no launcher), each with its own env additions and args."""
+    procs = []
+    for i, (extra, a) in enumerate(((extra0, args[0]), (extra1, args[1]))):
+        env = sub_env(STENCIL_COORDINATOR=f"127.0.0.1:{port}", STENCIL_NUM_PROCESSES="2", STENCIL_PROCESS_ID=str(i),
+                      STENCIL_HEARTBEAT_TIMEOUT="10", XLA_FLAGS="--xla_force_host_platform_device_count=4", **extra)
+        procs.append(subprocess.Popen([sys.executable, SCRIPT, *a], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    try:
+        return [(p.communicate(timeout=timeout)[0], p.returncode) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def _port():
+    import local
+
+    return local.free_port()
+
+
+def test_failing_process_is_named_and_heartbeat_stops_the_rest(small_corpus, tmp_path):
+    """No launcher to kill anyone: process 1 raises; JAX's coordination service stops process 0."""
+    (tmp_path / "not_a_dir").write_text("")
+    args = [*TINY, "--data.source", small_corpus, "--run_dir", str(tmp_path / "run")]
+    t0 = time.perf_counter()
+    (out0, rc0), (out1, rc1) = _pair({}, {"STENCIL_CACHE": str(tmp_path / "not_a_dir")}, [args, args], _port())
+    assert rc1 == 1 and "process 1 failed: NotADirectoryError" in out1, out1[-3000:]
+    assert rc0 != 0 and "stopped sending heartbeats" in out0, out0[-3000:]
+    assert time.perf_counter() - t0 < 110
+
+
+def test_mismatched_configs_are_named(small_corpus, tmp_path):
+    a = [*TINY, "--data.source", small_corpus, "--run_dir", str(tmp_path / "run")]
+    (out0, rc0), (out1, rc1) = _pair({}, {}, [a, a + ["--seed", "1"]], _port())
+    for out, rc in ((out0, rc0), (out1, rc1)):
+        assert rc == 1 and "config of process(es) [1] differs from process 0's" in out, out[-3000:]
+
+
+def test_unreachable_coordinator_times_out():
+    env = sub_env(STENCIL_COORDINATOR=f"127.0.0.1:{_port()}", STENCIL_NUM_PROCESSES="2", STENCIL_PROCESS_ID="1",
+                  STENCIL_INIT_TIMEOUT="3")
+    r = subprocess.run([sys.executable, SCRIPT, "--steps", "2", "--warmup_steps", "0"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert "process 1 (explicit mode) could not join the run at 127.0.0.1:" in r.stderr, r.stderr[-2000:]
+    assert "within 3s (STENCIL_INIT_TIMEOUT)" in r.stderr
+
+
+def test_detect_modes(monkeypatch):
+    from shared import distributed
+
+    for k in list(os.environ):
+        if k.startswith(("STENCIL_", "SLURM_", "OMPI_", "TPU_")) or k == "JOB_COMPLETION_INDEX":
+            monkeypatch.delenv(k, raising=False)
+    assert distributed.detect()[0] == "single"
+    monkeypatch.setenv("STENCIL_COORDINATOR", "pod-0.svc:1234")
+    monkeypatch.setenv("STENCIL_NUM_PROCESSES", "4")
+    monkeypatch.setenv("JOB_COMPLETION_INDEX", "3")
+    assert distributed.detect() == ("explicit", dict(coordinator_address="pod-0.svc:1234", num_processes=4,
+                                                     process_id=3, cluster_detection_method="deactivate"))
+    monkeypatch.setenv("STENCIL_PROCESS_ID", "4")
+    with pytest.raises(distributed.DistributedError, match="not in"):
+        distributed.detect()
+    for k in ("STENCIL_COORDINATOR", "STENCIL_NUM_PROCESSES", "STENCIL_PROCESS_ID"):
+        monkeypatch.delenv(k)
+    for k, v in dict(SLURM_JOB_ID="7", SLURM_STEP_NODELIST="n[1-2]", SLURM_NTASKS="2", SLURM_PROCID="1",
+                     SLURM_LOCALID="0").items():
+        monkeypatch.setenv(k, v)
+    assert distributed.detect() == ("slurm", {"cluster_detection_method": "slurm"})
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    assert distributed.detect()[0] == "single"
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "w0,w1")
+    assert distributed.detect()[0] == "tpu"
+    monkeypatch.setenv("STENCIL_DISTRIBUTED", "0")
+    assert distributed.detect()[0] == "single"
+
+
+# ---------------------------------------------------------------- generators
+
+OVER = ["--", "--steps", "1000", "--model.n_layers", "8"]
+TRAIN = ["variants/dense/train.py", "--preset", "125m", "--steps", "1000", "--model.n_layers", "8"]
+
+
+def _run(mod, argv, capsys):
+    assert mod.main(argv) == 0
+    return capsys.readouterr().out
+
+
+def test_slurm_script(capsys):
+    out = _run(slurm, ["--nodes", "4", "--gpus-per-node", "8", "--partition", "gpu", "--variant", "dense",
+                       "--preset", "125m", *OVER], capsys)
+    assert out.startswith("#!/bin/bash\n")
+    for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --partition=gpu", "export JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7"):
+        assert line in out.splitlines()
+    [srun] = [ln for ln in out.splitlines() if ln.startswith("srun ")]
+    assert "python " + " ".join(TRAIN) + ' --run_dir "runs/dense-$SLURM_JOB_ID"' in srun
+    r = subprocess.run(["bash", "-n"], input=out, text=True, capture_output=True)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("kind", ["jobset", "job"])
+def test_k8s_manifest(kind, capsys):
+    docs = list(yaml.safe_load_all(_run(k8s, ["--kind", kind, "--nodes", "4", "--image", "reg/stencil:1",
+                                              "--name", "run1", "--variant", "dense", "--preset", "125m", *OVER],
+                                        capsys)))
+    if kind == "jobset":
+        [js] = docs
+        assert js["kind"] == "JobSet" and js["spec"]["replicatedJobs"][0]["replicas"] == 1
+        job = js["spec"]["replicatedJobs"][0]["template"]["spec"]
+        coordinator = "run1-workers-0-0.run1:1234"
+    else:
+        svc, j = docs
+        assert svc["kind"] == "Service" and svc["spec"]["clusterIP"] == "None"
+        assert svc["spec"]["selector"] == j["spec"]["template"]["metadata"]["labels"]
+        job, coordinator = j["spec"], "run1-0.run1:1234"
+    assert job["completionMode"] == "Indexed" and job["completions"] == job["parallelism"] == 4
+    pod = job["template"]["spec"]
+    assert pod["subdomain"] == "run1"
+    [c] = pod["containers"]
+    assert c["image"] == "reg/stencil:1" and c["command"] == ["python", *TRAIN]
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env["STENCIL_COORDINATOR"] == coordinator and env["STENCIL_NUM_PROCESSES"] == "4"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 8
+
+
+def test_skypilot_task(capsys):
+    t = yaml.safe_load(_run(skypilot, ["--nodes", "3", "--accelerators", "H100:8", "--variant", "dense",
+                                       "--preset", "125m", *OVER], capsys))
+    assert t["num_nodes"] == 3 and t["resources"]["accelerators"] == "H100:8"
+    assert t["workdir"] and "pip install" in t["setup"]
+    lines = t["run"].splitlines()
+    assert "python " + " ".join(TRAIN) in lines
+    assert any("STENCIL_PROCESS_ID=\"$SKYPILOT_NODE_RANK\"" in ln for ln in lines)
+
+
+def test_tpu_vm_command(capsys):
+    import shlex
+
+    out = _run(tpu_vm, ["--name", "v5p", "--zone", "us-east5-a", "--variant", "dense", "--preset", "125m", *OVER],
+               capsys)
+    argv = shlex.split(out)
+    assert argv[:9] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "v5p", "--zone", "us-east5-a", "--worker=all"]
+    assert argv[9] == "--command"
+    assert "STENCIL_DISTRIBUTED=auto python3 " + " ".join(TRAIN) in argv[10]
+
+
+def test_generators_reject_unknown_variant_and_preset():
+    with pytest.raises(SystemExit, match="unknown variant"):
+        slurm.main(["--variant", "nope"])
+    with pytest.raises(SystemExit, match="no preset"):
+        skypilot.main(["--preset", "nope"])
