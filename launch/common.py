@@ -45,3 +45,14 @@ def has_flag(cmd: list[str], flag: str) -> bool:
 def shell(cmd: list[str]) -> str:
     """A shell line; arguments holding $VAR stay expandable (double quotes), the rest are quoted."""
     return " ".join(f'"{a}"' if "$" in a and '"' not in a else shlex.quote(a) for a in cmd)
+
+
+def write_output(text: str, path: str, next_step: str) -> int:
+    """Write a generated file to `path` ("-" = stdout) and say how to use it."""
+    if path == "-":
+        sys.stdout.write(text)
+    else:
+        with open(path, "w") as f:
+            f.write(text)
+        print(f"wrote {path}; {next_step} {path}", file=sys.stderr)
+    return 0

@@ -21,7 +21,7 @@ import sys
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_train_args, train_args  # noqa: E402
+from common import add_train_args, train_args, write_output  # noqa: E402
 
 PORT = 1234
 
@@ -75,14 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-o", "--output", default="-")
     add_train_args(p)
     args = p.parse_args(argv)
-    text = yaml.safe_dump_all(manifests(args), sort_keys=False)
-    if args.output == "-":
-        sys.stdout.write(text)
-    else:
-        with open(args.output, "w") as f:
-            f.write(text)
-        print(f"wrote {args.output}; start with: kubectl apply -f {args.output}", file=sys.stderr)
-    return 0
+    return write_output(yaml.safe_dump_all(manifests(args), sort_keys=False), args.output, "start with: kubectl apply -f")
 
 
 if __name__ == "__main__":

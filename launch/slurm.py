@@ -17,7 +17,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ROOT, add_train_args, has_flag, shell, train_args  # noqa: E402
+from common import ROOT, add_train_args, has_flag, shell, train_args, write_output  # noqa: E402
 
 
 def script(args: argparse.Namespace) -> str:
@@ -56,14 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-o", "--output", default="-", help="file to write (default: stdout)")
     add_train_args(p)
     args = p.parse_args(argv)
-    text = script(args)
-    if args.output == "-":
-        sys.stdout.write(text)
-    else:
-        with open(args.output, "w") as f:
-            f.write(text)
-        print(f"wrote {args.output}; submit with: sbatch {args.output}", file=sys.stderr)
-    return 0
+    return write_output(script(args), args.output, "submit with: sbatch")
 
 
 if __name__ == "__main__":
