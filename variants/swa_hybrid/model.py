@@ -1,0 +1,302 @@
+"""Hybrid sliding-window / global attention decoder (Gemma-2/3 style) on the dense blocks.
+
+Local layers attend to the previous `window` tokens (themselves included); layer i
+(0-based) is global, attending to the whole causal prefix, iff (i+1) % global_every == 0
+or it is the last layer. The per-layer pattern is data (a bool per layer) scanned along
+with the stacked parameters; `jax.lax.cond` picks the local or the global attention
+inside the scan, so the layers still compile once.
+
+Parameters are a plain dict of arrays; `param_specs` gives a PartitionSpec for every leaf
+on a mesh with explicit axes `data` (FSDP: weights sharded, gathered at use; batch
+sharded) and `model` (tensor parallelism: heads and FFN width sharded). Layers are
+stacked on a leading axis and run with `jax.lax.scan`.
+
+Copied from variants/dense (RMSNorm, RoPE, grouped-query attention, SwiGLU, optional tied
+embeddings, z-loss, bfloat16 compute, remat policy); this variant adds:
+  - sliding-window local layers and periodic global layers (`window`, `global_every`);
+  - separate RoPE bases for local and global layers, or no RoPE on global layers
+    (`local_rope_theta`, `global_rope` = "rope" | "none", `global_rope_theta`);
+  - QK-norm (`qk_norm`): RMSNorm over head_dim of q and k, learned per-head_dim scales;
+  - attention-logit soft-capping (`attn_softcap`, 0 = off): logits = c * tanh(logits / c);
+  - a per-head output gate (`head_gate`): head h's output times 2 * sigmoid(g_h), g_h a
+    learned scalar initialised at 0, so the gate starts as the identity. Weight decay
+    pulls g_h back to 0, i.e. towards the identity, never towards shutting a head off.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from jax.sharding import reshard
+
+from shared import flops, kernels
+
+COPIED_FROM = "variants/dense"
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message names the field."""
+
+
+def check(ok: bool, field: str, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field}: {why}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 2048
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 32
+    d_ff: int = 384  # SwiGLU hidden width
+    window: int = 64  # local layers see the `window` most recent tokens, themselves included
+    global_every: int = 4  # layer i is global iff (i+1) % global_every == 0, and the last layer is
+    local_rope_theta: float = 10000.0
+    global_rope: str = "rope"  # "rope" | "none" (NoPE on global layers)
+    global_rope_theta: float = 10000.0  # used when global_rope == "rope"
+    qk_norm: bool = True  # RMSNorm over head_dim on q and k (learned scales), before RoPE
+    attn_softcap: float = 0.0  # logits = c * tanh(logits / c); 0 = off (cuDNN cannot: reference then)
+    head_gate: bool = True  # head output *= 2 * sigmoid(g_h), g_h initialised at 0 (identity)
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    z_loss: float = 0.0  # weight of mean(logsumexp^2); 1e-4 is typical when used
+    init_std: float = 0.02
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"  # "bfloat16" on accelerators
+    remat: str = "dots"  # "none" | "dots" (save weight matmul outputs) | "full"
+    attention_backend: str = "auto"  # see shared/kernels/attention.py
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"):
+            check(getattr(self, name) > 0, f"model.{name}", f"must be positive, got {getattr(self, name)}")
+        check(self.n_heads % self.n_kv_heads == 0, "model.n_heads",
+              f"{self.n_heads} is not a multiple of model.n_kv_heads={self.n_kv_heads}")
+        check(self.head_dim % 2 == 0, "model.head_dim", f"RoPE needs an even head_dim, got {self.head_dim}")
+        for name in ("param_dtype", "compute_dtype"):
+            check(getattr(self, name) in ("float32", "bfloat16"), f"model.{name}",
+                  f"must be float32 or bfloat16, got {getattr(self, name)!r}")
+        check(self.remat in ("none", "dots", "full"), "model.remat", f"must be none, dots or full, got {self.remat!r}")
+        check(self.z_loss >= 0, "model.z_loss", f"must be >= 0, got {self.z_loss}")
+        check(self.init_std > 0, "model.init_std", f"must be positive, got {self.init_std}")
+        check(self.window > 0, "model.window", f"must be positive, got {self.window}")
+        check(self.global_every > 0, "model.global_every", f"must be positive, got {self.global_every}")
+        check(self.global_rope in ("rope", "none"), "model.global_rope",
+              f"must be rope or none, got {self.global_rope!r}")
+        for name in ("local_rope_theta", "global_rope_theta"):
+            check(getattr(self, name) > 0, f"model.{name}", f"must be positive, got {getattr(self, name)}")
+        check(self.attn_softcap >= 0, "model.attn_softcap", f"must be >= 0 (0 = off), got {self.attn_softcap}")
+
+
+def global_layers(cfg: ModelConfig) -> list[bool]:
+    """Per layer: True for a global layer, False for a sliding-window one."""
+    L = cfg.n_layers
+    return [(i + 1) % cfg.global_every == 0 or i == L - 1 for i in range(L)]
+
+
+# ---------------------------------------------------------------- parameters
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    D, L, F, V = cfg.d_model, cfg.n_layers, cfg.d_ff, cfg.vocab_size
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    shapes = {
+        "embed": (V, D),
+        "layers": {
+            "attn_norm": (L, D), "wq": (L, D, q), "wk": (L, D, kv), "wv": (L, D, kv), "wo": (L, q, D),
+            "mlp_norm": (L, D), "w_gate": (L, D, F), "w_up": (L, D, F), "w_down": (L, F, D),
+        },
+        "final_norm": (D,),
+    }
+    if cfg.qk_norm:
+        shapes["layers"] |= {"q_norm": (L, cfg.head_dim), "k_norm": (L, cfg.head_dim)}
+    if cfg.head_gate:
+        shapes["layers"]["head_gate"] = (L, cfg.n_heads)
+    if not cfg.tie_embeddings:
+        shapes["unembed"] = (D, V)
+    return shapes
+
+
+def param_specs(cfg: ModelConfig) -> dict:
+    """PartitionSpec per leaf: `data` shards the d_model side (FSDP), `model` the width side."""
+    col, row, rep = P(None, "data", "model"), P(None, "model", "data"), P(None, None)
+    specs = {
+        "embed": P("model", "data"),
+        "layers": {
+            "attn_norm": rep, "wq": col, "wk": col, "wv": col, "wo": row,
+            "mlp_norm": rep, "w_gate": col, "w_up": col, "w_down": row,
+        },
+        "final_norm": P(None),
+    }
+    if cfg.qk_norm:
+        specs["layers"] |= {"q_norm": rep, "k_norm": rep}
+    if cfg.head_gate:
+        specs["layers"]["head_gate"] = P(None, "model")  # heads, as in wq's columns
+    if not cfg.tie_embeddings:
+        specs["unembed"] = P("data", "model")
+    return specs
+
+
+def init(cfg: ModelConfig, key) -> dict:
+    """Normal(0, init_std) matrices, output projections scaled by 1/sqrt(2 n_layers), unit norms, zero gates."""
+    shapes, specs = param_shapes(cfg), param_specs(cfg)
+    dtype = jnp.dtype(cfg.param_dtype)
+    flat, treedef = jax.tree.flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
+    names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+        shapes, is_leaf=lambda s: isinstance(s, tuple))[0]]
+    keys = jax.random.split(key, len(flat))
+    leaves = []
+    for name, shape, k, spec in zip(names, flat, keys, jax.tree.leaves(specs)):
+        if "norm" in name:
+            leaves.append(jnp.ones(shape, dtype, out_sharding=spec))
+            continue
+        if "head_gate" in name:  # 2 * sigmoid(0) = 1: the gate starts as the identity
+            leaves.append(jnp.zeros(shape, dtype, out_sharding=spec))
+            continue
+        std = cfg.init_std / (2 * cfg.n_layers) ** 0.5 if ("wo" in name or "w_down" in name) else cfg.init_std
+        leaves.append(std * jax.random.normal(k, shape, dtype, out_sharding=spec))
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def num_params(cfg: ModelConfig) -> int:
+    return sum(math.prod(s) for s in jax.tree.leaves(param_shapes(cfg), is_leaf=lambda s: isinstance(s, tuple)))
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: every weight matmul (the embedding lookup is not one) plus causal attention,
+    local layers counted at their window (min(t+1, window) keys for query t)."""
+    D, F, L = cfg.d_model, cfg.d_ff, cfg.n_layers
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    per_layer = D * q + 2 * D * kv + q * D + 3 * D * F
+    matmuls = L * per_layer + D * cfg.vocab_size  # + unembedding
+    attn = sum(flops.attention_flops_per_token(seq_len, cfg.n_heads, cfg.head_dim, window=None if g else cfg.window)
+               for g in global_layers(cfg))
+    return flops.matmul_flops_per_token(matmuls) + attn
+
+
+# ---------------------------------------------------------------- the network
+
+def rms_norm(x, w, eps):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def positions(tokens, segment_ids):
+    """Position of each token within its own document (restarts where the segment id changes)."""
+    B, T = tokens.shape
+    t = jnp.broadcast_to(jnp.arange(T), (B, T))
+    if segment_ids is None:
+        return t
+    starts = (t == 0) | (segment_ids != jnp.roll(segment_ids, 1, axis=1))
+    return t - jax.lax.cummax(jnp.where(starts, t, 0), axis=1)
+
+
+def rope(x, pos, theta):
+    """Rotary embedding on [B, T, H, hd] (rotate-half form), angles in fp32."""
+    half = x.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    ang = pos[..., None].astype(jnp.float32) * freq  # [B, T, half]
+    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def gather(w, spec, dtype):
+    """FSDP: all-gather a weight over `data` (keep its `model` sharding) and cast for compute."""
+    return reshard(w, spec).astype(dtype)
+
+
+def attend(q, k, v, pos, segment_ids, is_global, cfg: ModelConfig):
+    """Attention of one layer: the sliding-window branch or the global one, chosen by data.
+
+    Both branches are traced (each with a static window for the kernel); `lax.cond` runs one.
+    """
+
+    def local(q, k, v):
+        q, k = rope(q, pos, cfg.local_rope_theta), rope(k, pos, cfg.local_rope_theta)
+        return kernels.attention(q, k, v, segment_ids=segment_ids, causal=True, window=cfg.window,
+                                 softcap=cfg.attn_softcap, backend=cfg.attention_backend)
+
+    def global_(q, k, v):
+        if cfg.global_rope == "rope":
+            q, k = rope(q, pos, cfg.global_rope_theta), rope(k, pos, cfg.global_rope_theta)
+        return kernels.attention(q, k, v, segment_ids=segment_ids, causal=True, window=None,
+                                 softcap=cfg.attn_softcap, backend=cfg.attention_backend)
+
+    return jax.lax.cond(is_global, global_, local, q, k, v)
+
+
+def block(x, layer, pos, segment_ids, is_global, cfg: ModelConfig):
+    dt = x.dtype
+    B, T, _ = x.shape
+    col, row, heads = P(None, "model"), P("model", None), P("data", None, "model", None)
+
+    h = rms_norm(x, layer["attn_norm"], cfg.norm_eps)
+    q = jnp.einsum("btd,dq->btq", h, gather(layer["wq"], col, dt)).reshape(B, T, cfg.n_heads, cfg.head_dim, out_sharding=heads)
+    k = jnp.einsum("btd,dk->btk", h, gather(layer["wk"], col, dt)).reshape(B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads)
+    v = jnp.einsum("btd,dk->btk", h, gather(layer["wv"], col, dt)).reshape(B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads)
+    if cfg.qk_norm:  # per-head RMSNorm over head_dim, one learned scale vector per layer
+        q, k = rms_norm(q, layer["q_norm"], cfg.norm_eps), rms_norm(k, layer["k_norm"], cfg.norm_eps)
+    o = attend(q, k, v, pos, segment_ids, is_global, cfg)
+    if cfg.head_gate:
+        o = o * (2 * jax.nn.sigmoid(layer["head_gate"].astype(jnp.float32))).astype(dt)[:, None]
+    o = o.reshape(B, T, cfg.n_heads * cfg.head_dim, out_sharding=P("data", None, "model"))
+    x = x + jnp.einsum("btq,qd->btd", o, gather(layer["wo"], row, dt), out_sharding=P("data", None, None))
+
+    h = rms_norm(x, layer["mlp_norm"], cfg.norm_eps)
+    gate = jnp.einsum("btd,df->btf", h, gather(layer["w_gate"], col, dt))
+    up = jnp.einsum("btd,df->btf", h, gather(layer["w_up"], col, dt))
+    x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, gather(layer["w_down"], row, dt),
+                       out_sharding=P("data", None, None))
+    return x
+
+
+REMAT = {
+    "none": None,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
+
+
+def hidden_states(params, tokens, cfg: ModelConfig, *, segment_ids=None):
+    """Final-norm hidden states [B, T, D] in the compute dtype."""
+    dt = jnp.dtype(cfg.compute_dtype)
+    x = reshard(params["embed"], P(None, None)).at[tokens].get(out_sharding=P("data", None, None)).astype(dt)
+    pos = positions(tokens, segment_ids)
+
+    def step(x, layer_and_kind):
+        layer, is_global = layer_and_kind
+        return block(x, layer, pos, segment_ids, is_global, cfg), None
+
+    if cfg.remat != "none":
+        step = jax.checkpoint(step, policy=REMAT[cfg.remat])
+    kinds = jnp.asarray(global_layers(cfg))  # the layer pattern, scanned alongside the weights
+    x, _ = jax.lax.scan(step, x, (params["layers"], kinds))
+    return rms_norm(x, params["final_norm"], cfg.norm_eps)
+
+
+def unembedding(params, cfg: ModelConfig):
+    w = params["embed"].T if cfg.tie_embeddings else params["unembed"]
+    return reshard(w, P(None, "model")).astype(jnp.dtype(cfg.compute_dtype))
+
+
+def forward(params, tokens, cfg: ModelConfig, *, segment_ids=None):
+    """Logits [B, T, V] in fp32. Training uses `loss_fn`, which never holds all of them at once."""
+    h = hidden_states(params, tokens, cfg, segment_ids=segment_ids)
+    return jnp.einsum("btd,dv->btv", h, unembedding(params, cfg), preferred_element_type=jnp.float32)
+
+
+def loss_fn(params, batch, cfg: ModelConfig):
+    """Mean next-token cross-entropy over unmasked tokens (+ z-loss). Returns (loss, metrics)."""
+    h = hidden_states(params, batch["tokens"], cfg, segment_ids=batch["segment_ids"])
+    nll, zsq = kernels.cross_entropy(h, unembedding(params, cfg), batch["targets"], batch["loss_mask"])
+    n = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
+    ce, z = nll / n, zsq / n
+    loss = ce + cfg.z_loss * z if cfg.z_loss else ce
+    return loss, {"loss": ce, "z": z, "tokens": n}
