@@ -1,0 +1,347 @@
+"""shared/kernels/kda.py and variants/kda: the chunked KDA kernel against the one-token-at-a-time
+recurrence (outputs, final state, gradients), document resets, the Gated DeltaNet special
+case, strong decay, the Pallas kernel (interpret mode, CUDA lowering), FLOP accounting as
+computed, and the variant's layer pattern, convolution and sharding.
+"""
+
+import dataclasses
+import os
+
+import jax
+import jax.extend.core
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shared.kernels import kda as K
+from shared.variant import ROOT, load
+
+model = load(os.path.join(ROOT, "variants", "kda", "model.py"))
+
+
+def inputs(rng, B, T, H, Dk, Dv, decay=1.0):
+    """Random KDA inputs as the model makes them: unit q and k, log decay <= 0, beta in (0, 1)."""
+    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    q = unit(rng.standard_normal((B, T, H, Dk)))
+    k = unit(rng.standard_normal((B, T, H, Dk)))
+    v = rng.standard_normal((B, T, H, Dv))
+    g = -decay * np.exp(rng.standard_normal((B, T, H, Dk)) - 1.0)
+    beta = 1 / (1 + np.exp(-rng.standard_normal((B, T, H))))
+    return tuple(jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta))
+
+
+def close(a, b, tol, what):
+    a, b = np.asarray(a), np.asarray(b)
+    err = np.max(np.abs(a - b)) / max(1.0, np.max(np.abs(b)))
+    assert err < tol, f"{what}: max error {err:.2e} (relative to max |ref| = {np.max(np.abs(b)):.2e})"
+
+
+# ---------------------------------------------------------------- chunked == recurrent
+
+@pytest.mark.parametrize("T,chunk", [(64, 16), (45, 16), (70, 32), (5, 16)])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_chunked_matches_recurrent(T, chunk, with_state):
+    """Outputs, final state and the gradients of every input, at lengths that are and are not
+    multiples of the chunk size, with and without an initial state."""
+    rng = np.random.default_rng(T * 7 + chunk + with_state)
+    B, H, Dk, Dv = 2, 2, 16, 8
+    q, k, v, g, beta = inputs(rng, B, T, H, Dk, Dv)
+    s0 = jnp.asarray(rng.standard_normal((B, H, Dk, Dv)), jnp.float32) if with_state else None
+    ct_o = jnp.asarray(rng.standard_normal((B, T, H, Dv)), jnp.float32)
+    ct_s = jnp.asarray(rng.standard_normal((B, H, Dk, Dv)), jnp.float32)
+
+    def loss(fn, *args):
+        o, s = fn(*args[:5], initial_state=args[5] if with_state else None)
+        return jnp.sum(o * ct_o) + jnp.sum(s * ct_s), (o, s)
+
+    args = (q, k, v, g, beta) + ((s0,) if with_state else ())
+    argnums = tuple(range(len(args)))
+    chunked = jax.jit(jax.value_and_grad(lambda *a: loss(lambda *x, **kw: K.kda(*x, chunk_size=chunk, **kw), *a),
+                                         argnums, has_aux=True))
+    recurrent = jax.jit(jax.value_and_grad(lambda *a: loss(K.kda_recurrent, *a), argnums, has_aux=True))
+    (_, (o1, s1)), g1 = chunked(*args)
+    (_, (o2, s2)), g2 = recurrent(*args)
+    close(o1, o2, 1e-5, "output")
+    close(s1, s2, 1e-5, "final state")
+    for name, a, b in zip(("q", "k", "v", "g", "beta", "initial_state"), g1, g2):
+        close(a, b, 1e-4, f"gradient of {name}")
+
+
+def test_output_dtype_and_default_scale():
+    rng = np.random.default_rng(0)
+    q, k, v, g, beta = inputs(rng, 1, 20, 2, 16, 16)
+    o, s = K.kda(q, k, v.astype(jnp.bfloat16), g, beta, chunk_size=16)
+    assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
+    o1, _ = K.kda(q, k, v, g, beta, chunk_size=16)
+    o2, _ = K.kda(q, k, v, g, beta, chunk_size=16, scale=16**-0.5)
+    o3, _ = K.kda(q, k, v, g, beta, chunk_size=16, scale=1.0)
+    np.testing.assert_array_equal(np.asarray(o1), np.asarray(o2))
+    close(o3, o1 * 4.0, 1e-6, "scale multiplies the output")
+
+
+# ---------------------------------------------------------------- documents
+
+@pytest.mark.parametrize("impl", ["chunked", "recurrent"])
+def test_segment_resets_match_separate_documents(impl):
+    """A packed row gives each document the output it gets alone from a zero state, whatever
+    the initial state; the final state is the last document's."""
+    rng = np.random.default_rng(3)
+    H, Dk, Dv = 2, 16, 8
+    lengths = [7, 20, 1, 18]  # documents cross chunk boundaries; one is a single token
+    T = sum(lengths)
+    q, k, v, g, beta = inputs(rng, 1, T, H, Dk, Dv)
+    seg = jnp.asarray(np.repeat([5, 2, 9, 2], lengths)[None], jnp.int32)  # ids may repeat: a change starts a document
+    s0 = jnp.asarray(rng.standard_normal((1, H, Dk, Dv)), jnp.float32)
+    fn = (lambda *a, **kw: K.kda(*a, chunk_size=16, **kw)) if impl == "chunked" else K.kda_recurrent
+    o, s = jax.jit(lambda *a: fn(*a[:5], initial_state=a[5], segment_ids=a[6]))(q, k, v, g, beta, s0, seg)
+    start = 0
+    for i, n in enumerate(lengths):
+        part = lambda x: x[:, start:start + n]  # noqa: E731
+        alone_o, alone_s = K.kda_recurrent(*map(part, (q, k, v, g, beta)), initial_state=s0 if i == 0 else None)
+        close(o[:, start:start + n], alone_o, 1e-5, f"document {i}")
+        start += n
+    close(s, alone_s, 1e-5, "final state = the last document's")
+
+
+# ---------------------------------------------------------------- Gated DeltaNet
+
+def gated_delta_net(q, k, v, alpha, beta, scale):
+    """Gated DeltaNet (a scalar gate per head and token) in float64 numpy, written from its rule:
+    S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, o_t = scale * S_t^T q_t."""
+    q, k, v, alpha, beta = (np.asarray(x, np.float64) for x in (q, k, v, alpha, beta))
+    B, T, H, Dk = q.shape
+    out = np.zeros(v.shape)
+    for b in range(B):
+        for h in range(H):
+            S = np.zeros((Dk, v.shape[-1]))
+            for t in range(T):
+                kt = k[b, t, h][:, None]
+                S = alpha[b, t, h] * (np.eye(Dk) - beta[b, t, h] * kt @ kt.T) @ S + beta[b, t, h] * kt @ v[b, t, h][None]
+                out[b, t, h] = scale * S.T @ q[b, t, h]
+    return out
+
+
+def test_equal_gate_across_channels_is_gated_delta_net():
+    rng = np.random.default_rng(5)
+    B, T, H, Dk, Dv = 2, 37, 2, 16, 8
+    q, k, v, _, beta = inputs(rng, B, T, H, Dk, Dv)
+    log_alpha = -np.exp(rng.standard_normal((B, T, H)) - 1.5)
+    g = jnp.asarray(np.repeat(log_alpha[..., None], Dk, axis=-1), jnp.float32)
+    o, _ = jax.jit(lambda *a: K.kda(*a, chunk_size=16))(q, k, v, g, beta)
+    close(o, gated_delta_net(q, k, v, np.exp(log_alpha), beta, Dk**-0.5), 1e-5, "KDA with a scalar gate vs Gated DeltaNet")
+
+
+# ---------------------------------------------------------------- strong decay
+
+@pytest.mark.parametrize("decay", [30.0, 1e4])
+def test_strong_decay_stays_finite_and_exact(decay):
+    """Log decays of -30 .. -1e4 per token: exp(-G) would overflow fp32; the kernel never forms it."""
+    rng = np.random.default_rng(7)
+    q, k, v, g, beta = inputs(rng, 1, 64, 2, 16, 8, decay=decay)
+    g = g.at[:, ::5].set(-1e-3)  # mix strong and weak decay
+
+    def loss(fn):
+        return lambda *a: jnp.sum(fn(*a)[0] ** 2)
+
+    o1, s1 = jax.jit(lambda *a: K.kda(*a, chunk_size=32))(q, k, v, g, beta)
+    o2, s2 = jax.jit(K.kda_recurrent)(q, k, v, g, beta)
+    grads = jax.jit(jax.grad(loss(lambda *a: K.kda(*a, chunk_size=32)), (0, 1, 2, 3, 4)))(q, k, v, g, beta)
+    assert np.all(np.isfinite(np.asarray(o1))) and np.all(np.isfinite(np.asarray(s1)))
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in grads), "a gradient is not finite"
+    close(o1, o2, 1e-5, "output under strong decay")
+    close(s1, s2, 1e-5, "state under strong decay")
+
+
+# ---------------------------------------------------------------- errors
+
+def test_bad_calls_raise_clear_errors():
+    rng = np.random.default_rng(0)
+    q, k, v, g, beta = inputs(rng, 1, 8, 2, 16, 8)
+    with pytest.raises(K.KDAError, match="power of two"):
+        K.kda(q, k, v, g, beta, chunk_size=48)
+    with pytest.raises(K.KDAError, match="beta"):
+        K.kda(q, k, v, g, beta[..., :1])
+    with pytest.raises(K.KDAError, match="initial_state"):
+        K.kda(q, k, v, g, beta, initial_state=jnp.zeros((1, 2, 8, 16)))
+    with pytest.raises(K.KDAError, match="impl"):
+        K.kda(q, k, v, g, beta, impl="cuda")
+    with pytest.raises(K.KDAError, match="multiple of 16"):
+        K.kda(q, k, v, g, beta, chunk_size=8, impl="pallas_interpret")
+
+
+# ---------------------------------------------------------------- Pallas
+
+def test_pallas_interpret_matches_xla():
+    """The Pallas pairwise kernel (interpret mode on CPU) against the XLA path, forward and gradients."""
+    rng = np.random.default_rng(11)
+    q, k, v, g, beta = inputs(rng, 1, 40, 2, 16, 8, decay=5.0)
+    seg = jnp.asarray(np.repeat([1, 2], [13, 27])[None], jnp.int32)
+
+    def run(impl):
+        def f(*a):
+            o, s = K.kda(*a, segment_ids=seg, chunk_size=32, impl=impl)
+            return jnp.sum(o ** 2) + jnp.sum(s), (o, s)
+        return jax.value_and_grad(f, (0, 1, 2, 3, 4), has_aux=True)(q, k, v, g, beta)
+
+    (_, (o1, s1)), g1 = run("pallas_interpret")
+    (_, (o2, s2)), g2 = run("xla")
+    close(o1, o2, 1e-5, "pallas output")
+    close(s1, s2, 1e-5, "pallas state")
+    for a, b in zip(g1, g2):
+        close(a, b, 1e-4, "pallas gradient")
+
+
+def test_pallas_lowers_for_cuda():
+    """The Triton kernel lowers for the CUDA platform on this CPU machine (it is not run)."""
+    x = jax.ShapeDtypeStruct((2, 64, 2, 16), jnp.bfloat16)
+    b = jax.ShapeDtypeStruct((2, 64, 2), jnp.float32)
+    f = jax.grad(lambda q, k, v, g, be: jnp.sum(K.kda(q, k, v, g, be, chunk_size=32, impl="pallas")[0]), (0, 1, 2, 3, 4))
+    text = jax.jit(f).trace(x, x, x, jax.ShapeDtypeStruct((2, 64, 2, 16), jnp.float32), b).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "xla.gpu.triton" in text, "no Triton kernel in the CUDA lowering"
+
+
+# ---------------------------------------------------------------- FLOPs as computed
+
+def dot_flops(jaxpr) -> float:
+    """2 x multiply-adds of every dot_general in a jaxpr, scan bodies times their length."""
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (lc, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            total += 2 * np.prod(eqn.outvars[0].aval.shape) * np.prod([lhs[i] for i in lc])
+        mult = eqn.params["length"] if eqn.primitive.name == "scan" else 1
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            total += mult * dot_flops(sub)
+    return total
+
+
+@pytest.mark.parametrize("T,chunk", [(128, 32), (100, 64)])
+def test_flops_per_token_counts_the_matmuls_as_computed(T, chunk):
+    B, H, Dk, Dv = 2, 2, 16, 32
+    x = jax.ShapeDtypeStruct((B, T, H, Dk), jnp.float32)
+    args = (x, x, jax.ShapeDtypeStruct((B, T, H, Dv), jnp.float32), x, jax.ShapeDtypeStruct((B, T, H), jnp.float32))
+    jaxpr = jax.make_jaxpr(lambda *a: K.kda(*a, chunk_size=chunk))(*args).jaxpr
+    counted = K.kda_flops_per_token(T, H, Dk, Dv, chunk, training=False) * B * T
+    assert dot_flops(jaxpr) == pytest.approx(counted, rel=1e-9)
+
+
+# ---------------------------------------------------------------- the variant
+
+def one_device():
+    return jax.make_mesh((1, 1), ("data", "model"), axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[:1])
+
+
+def small(**over):
+    kw = dict(vocab_size=64, d_model=32, n_layers=4, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64, gate_rank=8,
+              chunk_size=16)
+    kw.update(over)
+    return model.ModelConfig(**kw)
+
+
+def test_layer_pattern_and_counts():
+    assert model.attention_layers(small(n_layers=8, global_every=4)) == [False, False, False, True] * 2
+    assert model.attention_layers(small(n_layers=6, global_every=4)) == [False, False, False, True, False, True]
+    assert model.layer_counts(small(n_layers=6, global_every=4)) == (4, 2)
+    shapes = model.param_shapes(small(n_layers=6, global_every=4))
+    assert shapes["kda"]["wq"][0] == 4 and shapes["attn"]["wq"][0] == 2
+
+
+@pytest.mark.parametrize("field,value", [("global_every", 1), ("chunk_size", 24), ("kda_impl", "cuda"),
+                                         ("conv_size", 0), ("gate_rank", 0)])
+def test_config_errors_name_the_field(field, value):
+    with pytest.raises(model.ConfigError, match=f"model.{field}"):
+        small(**{field: value})
+
+
+def test_layers_run_in_pattern_order():
+    """hidden_states (two stacks: a scanned super-block of 3 KDA + 1 attention layers, then a tail of
+    1 KDA + 1 attention layer) equals the layers applied one by one in attention_layers' order."""
+    cfg = small(n_layers=6, global_every=4)
+    with jax.set_mesh(one_device()):
+        params = jax.jit(lambda k: model.init(cfg, k))(jax.random.key(0))
+        tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 24)), jnp.int32)
+        got = jax.jit(lambda p, t: model.hidden_states(p, t, cfg))(params, tokens)
+        want = jax.jit(lambda p, t: _layer_by_layer(p, t, cfg))(params, tokens)
+    close(got, want, 1e-5, "hidden states")
+
+
+def _layer_by_layer(params, tokens, cfg):
+    x = params["embed"].at[tokens].get(out_sharding=P())
+    pos, docs = model.positions(tokens, None), model.documents(None, *tokens.shape)
+    ik = ia = 0
+    for is_attn in model.attention_layers(cfg):
+        if is_attn:
+            x = model.block(x, jax.tree.map(lambda w: w[ia], params["attn"]), pos, None, cfg)
+            ia += 1
+        else:
+            x = model.kda_block(x, jax.tree.map(lambda w: w[ik], params["kda"]), docs, None, cfg)
+            ik += 1
+    return model.rms_norm(x, params["final_norm"], cfg.norm_eps)
+
+
+def test_short_conv_is_causal_and_stays_in_its_document():
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((1, 12, 3)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((4, 3)), jnp.float32)
+    docs = jnp.asarray([[0] * 5 + [1] * 7])
+    out = np.asarray(model.short_conv(x, w, docs))
+    xn, wn = np.asarray(x), np.asarray(w)
+    for t in range(12):
+        start = 0 if t < 5 else 5
+        want = sum(wn[3 - j] * xn[0, t - j] for j in range(4) if t - j >= start)
+        np.testing.assert_allclose(out[0, t], want, rtol=1e-5, atol=1e-6)
+
+
+def test_sharded_forward_equals_single_device():
+    """The data=4 x model=2 mesh gives the logits of one device (heads and gates sharded over model)."""
+    cfg = small(n_heads=4, n_kv_heads=2, d_model=64)
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(0, 64, (4, 40)).astype(np.int32)
+    seg = np.sort(rng.integers(0, 3, (4, 40)), axis=1).astype(np.int32)
+    with jax.set_mesh(one_device()):
+        params = model.init(cfg, jax.random.key(0))
+        want = model.forward(params, jnp.asarray(tokens), cfg, segment_ids=jnp.asarray(seg))
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    with jax.set_mesh(mesh):
+        sharded = jax.tree.map(lambda w, s: jax.device_put(w, NamedSharding(mesh, s)), params, model.param_specs(cfg))
+        row = NamedSharding(mesh, P("data", None))
+        got = jax.jit(lambda p, t, s: model.forward(p, t, cfg, segment_ids=s))(
+            sharded, jax.device_put(tokens, row), jax.device_put(seg, row))
+    close(got, want, 1e-4, "sharded logits")
+
+
+def test_flops_per_token_adds_kda_kernel_and_projections():
+    cfg = small(n_layers=4, global_every=4)  # 3 KDA layers, 1 attention layer
+    T = 256
+    more = dataclasses.replace(cfg, n_layers=8)  # 6 KDA, 2 attention: the non-embedding part doubles
+    unembed = 6 * cfg.d_model * cfg.vocab_size
+    assert model.flops_per_token(more, T) - unembed == pytest.approx(2 * (model.flops_per_token(cfg, T) - unembed))
+    kernel = K.kda_flops_per_token(T, cfg.n_heads, cfg.head_dim, cfg.head_dim, cfg.chunk_size)
+    assert kernel > 0 and model.flops_per_token(cfg, T) > 3 * kernel
+
+
+def test_one_chunk_layer_compiles_to_the_same_result_every_time():
+    """Regression: with T <= chunk_size and no initial state, XLA:CPU once compiled a KDA layer into
+    programs whose outputs differed from one compilation to the next (garbage up to 1e22). The
+    optimization barrier on delta in shared/kernels/kda.py prevents it; this recompiles and compares."""
+    cfg = model.ModelConfig(n_layers=2)  # the CPU default's widths; T = 32 < chunk_size = 64
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, cfg.vocab_size, (4, 32)).astype(np.int32)
+    with jax.set_mesh(one_device()):
+        params = model.init(cfg, jax.random.key(1))
+        layer = jax.tree.map(lambda w: w[0], params["kda"])
+
+        def f(p, t):
+            x = p["embed"].at[t].get(out_sharding=P())
+            return model.kda_block(x, layer, model.documents(None, *t.shape), None, cfg)
+
+        outs = []
+        for _ in range(3):  # the bad programs came in most compilations
+            jax.clear_caches()
+            outs.append(np.asarray(jax.jit(f)(params, tokens)))
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o, outs[0], err_msg="a recompilation changed the output")

@@ -1,0 +1,414 @@
+"""Kimi Delta Attention (KDA) hybrid decoder (Kimi Linear style) on the dense blocks.
+
+Most layers mix tokens with KDA, a gated delta rule with a per-channel forget gate
+(shared/kernels/kda.py), whose state is a fixed [head_dim, head_dim] matrix per head:
+time grows linearly in T and no KV cache grows with it. Layer i (0-based) is instead a
+full softmax-attention layer (the dense one: GQA, RoPE) iff (i+1) % global_every == 0 or
+it is the last layer; global_every = 4 is Kimi Linear's 3:1 ratio.
+
+Parameters are a plain dict of arrays; `param_specs` gives a PartitionSpec for every leaf
+on a mesh with explicit axes `data` (FSDP: weights sharded, gathered at use; batch
+sharded) and `model` (tensor parallelism: heads and FFN width sharded). The two kinds of
+layer have different weights, so they are two stacks, `kda` [n_kda, ...] and `attn`
+[n_attn, ...]. They run as `lax.scan` over super-blocks of (global_every - 1) KDA layers
+(an inner scan) and one attention layer; when n_layers is not a multiple of
+global_every, the remaining n_layers % global_every layers (KDA layers, then the last,
+attention, layer) run once more after the scan. No layer holds the other kind's weights.
+
+Copied from variants/dense (RMSNorm, RoPE, grouped-query attention, SwiGLU, optional tied
+embeddings, z-loss, bfloat16 compute, remat policy); this variant adds:
+  - KDA layers: q, k, v projections (n_heads heads of head_dim; no GQA), each followed by
+    a causal depthwise convolution (`conv_size` taps, not crossing document starts) and
+    SiLU; q and k L2-normalised (q scaled by head_dim**-0.5 in the kernel); a per-channel
+    forget gate g = -exp(A_log) * softplus(x W_down W_up + dt_bias) (low rank
+    `gate_rank`); beta = sigmoid(x W_beta); the delta-rule state update, reset at document
+    starts; a per-head RMSNorm (`o_norm`) times a sigmoid output gate (low rank
+    `gate_rank`), then `wo`. The state math is the chunked kernel (`chunk_size`,
+    `kda_impl`: "xla" or the GPU Pallas kernel "pallas");
+  - the layer pattern (`global_every`); attention layers are dense's, unchanged.
+Widths are dense's: a KDA layer has more weights than an attention layer (k and v have
+n_heads heads, plus gates), so at the same shape the model is larger; `num_params` and
+`flops_per_token` count it as it is.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from jax.sharding import reshard
+
+from shared import flops, kernels
+from shared.kernels.kda import kda, kda_flops_per_token
+
+COPIED_FROM = "variants/dense"
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message names the field."""
+
+
+def check(ok: bool, field: str, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field}: {why}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 2048
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 32
+    d_ff: int = 384  # SwiGLU hidden width
+    rope_theta: float = 10000.0  # RoPE base of the attention layers (KDA layers use no positions)
+    global_every: int = 4  # layer i is softmax attention iff (i+1) % global_every == 0, and the last layer is
+    conv_size: int = 4  # taps of the causal depthwise convolution on q, k, v (KDA layers)
+    gate_rank: int = 32  # rank of the low-rank forget gate and output gate (Kimi Linear: head_dim)
+    chunk_size: int = 64  # tokens per chunk of the chunked KDA kernel (a power of two)
+    kda_impl: str = "xla"  # "xla" (everywhere) | "pallas" (GPU; UNVERIFIED, see shared/kernels/kda.py)
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    z_loss: float = 0.0  # weight of mean(logsumexp^2); 1e-4 is typical when used
+    init_std: float = 0.02
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"  # "bfloat16" on accelerators
+    remat: str = "dots"  # "none" | "dots" (save weight matmul outputs) | "full"
+    attention_backend: str = "auto"  # see shared/kernels/attention.py
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"):
+            check(getattr(self, name) > 0, f"model.{name}", f"must be positive, got {getattr(self, name)}")
+        check(self.n_heads % self.n_kv_heads == 0, "model.n_heads",
+              f"{self.n_heads} is not a multiple of model.n_kv_heads={self.n_kv_heads}")
+        check(self.head_dim % 2 == 0, "model.head_dim", f"RoPE needs an even head_dim, got {self.head_dim}")
+        for name in ("param_dtype", "compute_dtype"):
+            check(getattr(self, name) in ("float32", "bfloat16"), f"model.{name}",
+                  f"must be float32 or bfloat16, got {getattr(self, name)!r}")
+        check(self.remat in ("none", "dots", "full"), "model.remat", f"must be none, dots or full, got {self.remat!r}")
+        check(self.z_loss >= 0, "model.z_loss", f"must be >= 0, got {self.z_loss}")
+        check(self.init_std > 0, "model.init_std", f"must be positive, got {self.init_std}")
+        check(self.rope_theta > 0, "model.rope_theta", f"must be positive, got {self.rope_theta}")
+        check(self.global_every >= 2, "model.global_every",
+              f"must be >= 2 (1 makes every layer softmax attention: that is variants/dense), got {self.global_every}")
+        check(self.n_layers >= 2, "model.n_layers", f"must be >= 2 (the last layer is attention, and one at least "
+              f"must be KDA), got {self.n_layers}")
+        for name in ("conv_size", "gate_rank"):
+            check(getattr(self, name) > 0, f"model.{name}", f"must be positive, got {getattr(self, name)}")
+        check(self.chunk_size > 0 and self.chunk_size & (self.chunk_size - 1) == 0, "model.chunk_size",
+              f"must be a power of two, got {self.chunk_size}")
+        check(self.kda_impl in ("xla", "pallas"), "model.kda_impl", f"must be xla or pallas, got {self.kda_impl!r}")
+        if self.kda_impl == "pallas":
+            from shared.kernels.kda import pallas_refuses
+            why = pallas_refuses(self.head_dim, self.chunk_size)
+            check(why is None, "model.kda_impl", f"the Pallas kernel cannot run this shape: {why}")
+
+
+def attention_layers(cfg: ModelConfig) -> list[bool]:
+    """Per layer: True for a softmax-attention layer, False for a KDA layer."""
+    L = cfg.n_layers
+    return [(i + 1) % cfg.global_every == 0 or i == L - 1 for i in range(L)]
+
+
+def layer_counts(cfg: ModelConfig) -> tuple[int, int]:
+    """(KDA layers, attention layers)."""
+    n_attn = sum(attention_layers(cfg))
+    return cfg.n_layers - n_attn, n_attn
+
+
+# ---------------------------------------------------------------- parameters
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    D, F, V = cfg.d_model, cfg.d_ff, cfg.vocab_size
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    H, R, W = cfg.n_heads, cfg.gate_rank, cfg.conv_size
+    Lk, La = layer_counts(cfg)
+    mlp = lambda L: {"mlp_norm": (L, D), "w_gate": (L, D, F), "w_up": (L, D, F), "w_down": (L, F, D)}  # noqa: E731
+    shapes = {
+        "embed": (V, D),
+        "kda": {
+            "attn_norm": (Lk, D), "wq": (Lk, D, q), "wk": (Lk, D, q), "wv": (Lk, D, q),
+            "conv_q": (Lk, W, q), "conv_k": (Lk, W, q), "conv_v": (Lk, W, q),
+            "forget_down": (Lk, D, R), "forget_up": (Lk, R, q), "A_log": (Lk, H), "dt_bias": (Lk, q),
+            "w_beta": (Lk, D, H), "ogate_down": (Lk, D, R), "ogate_up": (Lk, R, q), "o_norm": (Lk, cfg.head_dim),
+            "wo": (Lk, q, D), **mlp(Lk),
+        },
+        "attn": {
+            "attn_norm": (La, D), "wq": (La, D, q), "wk": (La, D, kv), "wv": (La, D, kv), "wo": (La, q, D),
+            **mlp(La),
+        },
+        "final_norm": (D,),
+    }
+    if not cfg.tie_embeddings:
+        shapes["unembed"] = (D, V)
+    return shapes
+
+
+def param_specs(cfg: ModelConfig) -> dict:
+    """PartitionSpec per leaf: `data` shards the d_model side (FSDP), `model` the width side."""
+    col, row, rep = P(None, "data", "model"), P(None, "model", "data"), P(None, None)
+    heads, down, up = P(None, "model"), P(None, "data", None), P(None, None, "model")  # low rank: rank unsharded
+    mlp = {"mlp_norm": rep, "w_gate": col, "w_up": col, "w_down": row}
+    specs = {
+        "embed": P("model", "data"),
+        "kda": {
+            "attn_norm": rep, "wq": col, "wk": col, "wv": col, "conv_q": up, "conv_k": up, "conv_v": up,
+            "forget_down": down, "forget_up": up, "A_log": heads, "dt_bias": heads,
+            "w_beta": col, "ogate_down": down, "ogate_up": up, "o_norm": rep, "wo": row, **mlp,
+        },
+        "attn": {"attn_norm": rep, "wq": col, "wk": col, "wv": col, "wo": row, **mlp},
+        "final_norm": P(None),
+    }
+    if not cfg.tie_embeddings:
+        specs["unembed"] = P("data", "model")
+    return specs
+
+
+def init(cfg: ModelConfig, key) -> dict:
+    """Normal(0, init_std) matrices, output projections scaled by 1/sqrt(2 n_layers), unit norms.
+
+    KDA gates as in Kimi Linear / fla: A = exp(A_log) ~ U(1, 16) per head; dt_bias is the
+    inverse softplus of dt ~ log-uniform(1e-3, 1e-1), so at init the decay per step is
+    exp(-A dt) in [0.2, 0.999]; convolution taps U(-1/sqrt(conv_size), 1/sqrt(conv_size))
+    (PyTorch's Conv1d default).
+    """
+    shapes, specs = param_shapes(cfg), param_specs(cfg)
+    dtype = jnp.dtype(cfg.param_dtype)
+    flat, treedef = jax.tree.flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
+    names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+        shapes, is_leaf=lambda s: isinstance(s, tuple))[0]]
+    keys = jax.random.split(key, len(flat))
+    leaves = []
+    for name, shape, k, spec in zip(names, flat, keys, jax.tree.leaves(specs)):
+        if "norm" in name:
+            leaves.append(jnp.ones(shape, dtype, out_sharding=spec))
+            continue
+        if "A_log" in name:
+            leaves.append(jnp.log(jax.random.uniform(k, shape, jnp.float32, 1.0, 16.0, out_sharding=spec)).astype(dtype))
+            continue
+        if "dt_bias" in name:
+            lo, hi = math.log(1e-3), math.log(1e-1)
+            dt = jnp.exp(jax.random.uniform(k, shape, jnp.float32, lo, hi, out_sharding=spec))
+            leaves.append((dt + jnp.log(-jnp.expm1(-dt))).astype(dtype))  # softplus(dt_bias) = dt
+            continue
+        if "conv_" in name:
+            b = cfg.conv_size**-0.5
+            leaves.append(jax.random.uniform(k, shape, dtype, -b, b, out_sharding=spec))
+            continue
+        std = cfg.init_std / (2 * cfg.n_layers) ** 0.5 if ("wo" in name or "w_down" in name) else cfg.init_std
+        leaves.append(std * jax.random.normal(k, shape, dtype, out_sharding=spec))
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def num_params(cfg: ModelConfig) -> int:
+    return sum(math.prod(s) for s in jax.tree.leaves(param_shapes(cfg), is_leaf=lambda s: isinstance(s, tuple)))
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: every weight matmul (the embedding lookup is not one) plus causal attention
+    on attention layers, and on KDA layers their projections, gates and convolution taps (each weight used
+    once per token) plus the chunked kernel's matmuls as it computes them (`kda_flops_per_token`)."""
+    D, F, H, R = cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.gate_rank
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    Lk, La = layer_counts(cfg)
+    mlp = 3 * D * F
+    attn_layer = D * q + 2 * D * kv + q * D + mlp
+    kda_layer = 3 * D * q + 3 * cfg.conv_size * q + (D * R + R * q) * 2 + D * H + q * D + mlp
+    matmuls = La * attn_layer + Lk * kda_layer + D * cfg.vocab_size  # + unembedding
+    attn = La * flops.attention_flops_per_token(seq_len, cfg.n_heads, cfg.head_dim)
+    mix = Lk * kda_flops_per_token(seq_len, H, cfg.head_dim, cfg.head_dim, cfg.chunk_size)
+    return flops.matmul_flops_per_token(matmuls) + attn + mix
+
+
+# ---------------------------------------------------------------- the network
+
+def rms_norm(x, w, eps):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def positions(tokens, segment_ids):
+    """Position of each token within its own document (restarts where the segment id changes)."""
+    B, T = tokens.shape
+    t = jnp.broadcast_to(jnp.arange(T), (B, T))
+    if segment_ids is None:
+        return t
+    starts = (t == 0) | (segment_ids != jnp.roll(segment_ids, 1, axis=1))
+    return t - jax.lax.cummax(jnp.where(starts, t, 0), axis=1)
+
+
+def rope(x, pos, theta):
+    """Rotary embedding on [B, T, H, hd] (rotate-half form), angles in fp32."""
+    half = x.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    ang = pos[..., None].astype(jnp.float32) * freq  # [B, T, half]
+    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def gather(w, spec, dtype):
+    """FSDP: all-gather a weight over `data` (keep its `model` sharding) and cast for compute."""
+    return reshard(w, spec).astype(dtype)
+
+
+def documents(segment_ids, B, T):
+    """Document index of every token (0, 1, ...: +1 where the segment id changes); zeros without ids."""
+    if segment_ids is None:
+        return jnp.zeros((B, T), jnp.int32)
+    change = (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(jnp.int32)
+    return jnp.concatenate([jnp.zeros_like(change[:, :1]), jnp.cumsum(change, axis=1)], axis=1)
+
+
+def short_conv(x, w, docs):
+    """Causal depthwise convolution over time: out_t = sum_j w[W-1-j] x_{t-j}, only over x of t's own document.
+
+    x [B, T, C], w [W, C] (the last tap weighs the current token), docs [B, T].
+    """
+    W, T = w.shape[0], x.shape[1]
+    out = x * w[W - 1]
+    for j in range(1, W):
+        shifted = jnp.pad(x, [(0, 0), (j, 0), (0, 0)])[:, :T]
+        same = jnp.pad(docs, [(0, 0), (j, 0)], constant_values=-1)[:, :T] == docs
+        out = out + jnp.where(same[..., None], shifted, 0) * w[W - 1 - j]
+    return out
+
+
+def l2_norm(x, eps=1e-6):
+    x32 = x.astype(jnp.float32)
+    return x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
+def mlp(x, layer, cfg: ModelConfig):
+    dt = x.dtype
+    col, row = P(None, "model"), P("model", None)
+    h = rms_norm(x, layer["mlp_norm"], cfg.norm_eps)
+    gate = jnp.einsum("btd,df->btf", h, gather(layer["w_gate"], col, dt))
+    up = jnp.einsum("btd,df->btf", h, gather(layer["w_up"], col, dt))
+    return x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, gather(layer["w_down"], row, dt),
+                          out_sharding=P("data", None, None))
+
+
+def kda_block(x, layer, docs, segment_ids, cfg: ModelConfig):
+    """A KDA layer (token mixing by the gated delta rule) and its MLP."""
+    dt = x.dtype
+    B, T, _ = x.shape
+    H, K = cfg.n_heads, cfg.head_dim
+    col, row, heads = P(None, "model"), P("model", None), P("data", None, "model", None)
+    f32 = jnp.float32
+
+    h = rms_norm(x, layer["attn_norm"], cfg.norm_eps)
+
+    def proj_conv(name):  # projection, short convolution, SiLU, split into heads
+        y = jnp.einsum("btd,dq->btq", h, gather(layer["w" + name], col, dt))
+        y = jax.nn.silu(short_conv(y, gather(layer["conv_" + name], col, dt), docs))
+        return y.reshape(B, T, H, K, out_sharding=heads)
+
+    q, k, v = l2_norm(proj_conv("q")), l2_norm(proj_conv("k")), proj_conv("v")
+
+    def low_rank(down, up):  # x W_down W_up: [B, T, H, K] in fp32
+        r = jnp.einsum("btd,dr->btr", h, gather(layer[down], P(None, None), dt))
+        y = jnp.einsum("btr,rq->btq", r, gather(layer[up], col, dt))
+        return y.reshape(B, T, H, K, out_sharding=heads).astype(f32)
+
+    dt_bias = gather(layer["dt_bias"], P("model"), f32).reshape(H, K, out_sharding=P("model", None))
+    A = jnp.exp(gather(layer["A_log"], P("model"), f32))[:, None]  # [H, 1]
+    g = -A * jax.nn.softplus(low_rank("forget_down", "forget_up") + dt_bias)  # log decay per key channel, <= 0
+    beta = jax.nn.sigmoid(jnp.einsum("btd,dh->bth", h, gather(layer["w_beta"], col, dt)).astype(f32))
+    o, _ = kda(q, k, v, g, beta, segment_ids=segment_ids, chunk_size=cfg.chunk_size, impl=cfg.kda_impl)
+    o = rms_norm(o, layer["o_norm"], cfg.norm_eps) * jax.nn.sigmoid(low_rank("ogate_down", "ogate_up")).astype(dt)
+    o = o.reshape(B, T, H * K, out_sharding=P("data", None, "model"))
+    x = x + jnp.einsum("btq,qd->btd", o, gather(layer["wo"], row, dt), out_sharding=P("data", None, None))
+    return mlp(x, layer, cfg)
+
+
+def block(x, layer, pos, segment_ids, cfg: ModelConfig):
+    """A softmax-attention layer (dense's) and its MLP."""
+    dt = x.dtype
+    B, T, _ = x.shape
+    col, row, heads = P(None, "model"), P("model", None), P("data", None, "model", None)
+
+    h = rms_norm(x, layer["attn_norm"], cfg.norm_eps)
+    q = jnp.einsum("btd,dq->btq", h, gather(layer["wq"], col, dt)).reshape(B, T, cfg.n_heads, cfg.head_dim, out_sharding=heads)
+    k = jnp.einsum("btd,dk->btk", h, gather(layer["wk"], col, dt)).reshape(B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads)
+    v = jnp.einsum("btd,dk->btk", h, gather(layer["wv"], col, dt)).reshape(B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads)
+    q, k = rope(q, pos, cfg.rope_theta), rope(k, pos, cfg.rope_theta)
+    o = kernels.attention(q, k, v, segment_ids=segment_ids, causal=True, backend=cfg.attention_backend)
+    o = o.reshape(B, T, cfg.n_heads * cfg.head_dim, out_sharding=P("data", None, "model"))
+    x = x + jnp.einsum("btq,qd->btd", o, gather(layer["wo"], row, dt), out_sharding=P("data", None, None))
+    return mlp(x, layer, cfg)
+
+
+REMAT = {
+    "none": None,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
+
+
+def hidden_states(params, tokens, cfg: ModelConfig, *, segment_ids=None):
+    """Final-norm hidden states [B, T, D] in the compute dtype."""
+    dt = jnp.dtype(cfg.compute_dtype)
+    x = reshard(params["embed"], P(None, None)).at[tokens].get(out_sharding=P("data", None, None)).astype(dt)
+    pos = positions(tokens, segment_ids)
+    docs = documents(segment_ids, *tokens.shape)
+
+    def kda_step(x, layer):
+        return kda_block(x, layer, docs, segment_ids, cfg), None
+
+    def attn_step(x, layer):
+        return block(x, layer, pos, segment_ids, cfg), None
+
+    if cfg.remat != "none":
+        kda_step = jax.checkpoint(kda_step, policy=REMAT[cfg.remat])
+        attn_step = jax.checkpoint(attn_step, policy=REMAT[cfg.remat])
+
+    def super_block(x, layers):  # KDA layers (an inner scan), then one attention layer
+        kda_layers, attn_layer = layers
+        x, _ = jax.lax.scan(kda_step, x, kda_layers)
+        return attn_step(x, attn_layer)
+
+    N, L = cfg.global_every, cfg.n_layers
+    full, tail = L // N, L % N  # `full` super-blocks of N layers; then `tail` layers (tail - 1 KDA, 1 attention)
+    take = lambda tree, a, b: jax.tree.map(lambda w: w[a:b], tree)  # noqa: E731 leading (layer) axis
+    if full:
+        kda_full = jax.tree.map(lambda w: split_layers(w, full, N - 1), take(params["kda"], 0, full * (N - 1)))
+        x, _ = jax.lax.scan(super_block, x, (kda_full, take(params["attn"], 0, full)))
+    if tail:
+        x, _ = super_block(x, (take(params["kda"], full * (N - 1), None), jax.tree.map(lambda w: w[full], params["attn"])))
+    return rms_norm(x, params["final_norm"], cfg.norm_eps)
+
+
+def split_layers(w, n, m):
+    """[n * m, ...] -> [n, m, ...], keeping the sharding of the other axes."""
+    spec = tuple(jax.typeof(w).sharding.spec) if not jax.sharding.get_abstract_mesh().empty else None
+    if spec is None:
+        return w.reshape(n, m, *w.shape[1:])
+    spec = spec + (None,) * (w.ndim - len(spec))
+    return w.reshape(n, m, *w.shape[1:], out_sharding=P(None, None, *spec[1:]))
+
+
+def unembedding(params, cfg: ModelConfig):
+    w = params["embed"].T if cfg.tie_embeddings else params["unembed"]
+    return reshard(w, P(None, "model")).astype(jnp.dtype(cfg.compute_dtype))
+
+
+def forward(params, tokens, cfg: ModelConfig, *, segment_ids=None):
+    """Logits [B, T, V] in fp32. Training uses `loss_fn`, which never holds all of them at once."""
+    h = hidden_states(params, tokens, cfg, segment_ids=segment_ids)
+    return jnp.einsum("btd,dv->btv", h, unembedding(params, cfg), preferred_element_type=jnp.float32)
+
+
+def loss_fn(params, batch, cfg: ModelConfig):
+    """Mean next-token cross-entropy over unmasked tokens (+ z-loss). Returns (loss, metrics)."""
+    h = hidden_states(params, batch["tokens"], cfg, segment_ids=batch["segment_ids"])
+    nll, zsq = kernels.cross_entropy(h, unembedding(params, cfg), batch["targets"], batch["loss_mask"])
+    n = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
+    ce, z = nll / n, zsq / n
+    loss = ce + cfg.z_loss * z if cfg.z_loss else ce
+    return loss, {"loss": ce, "z": z, "tokens": n}
