@@ -7,11 +7,15 @@ matching `init`'s pytree; `forward(params, tokens, cfg, *, segment_ids=None) -> 
 train.py: `TrainConfig`, `make_train_step(...)`, `main(cfg)`.
 
 Each check runs on an 8-device CPU mesh (data=4, model=2). Abstract traces allocate
-nothing, so the largest preset of every variant is traced too.
+nothing, so every preset of every variant is traced too, at its own scale: its own
+batch and mesh, on an AbstractMesh of as many devices as the preset's mesh sizes multiply
+to (AT_SCALE_DEVICES when it leaves mesh_data at -1), lowered for CUDA. For that,
+`make_mesh(cfg, devices)` accepts a device count and returns an AbstractMesh.
 """
 
 import dataclasses
 import functools
+import math
 import os
 
 import draccus
@@ -39,20 +43,16 @@ def tiny(train, **over):
     return train.TrainConfig(**kw)
 
 
-def abstract_state(train, cfg, opt):
-    return jax.eval_shape(lambda k: train.init_state(cfg, opt, k), jax.random.key(0))
+AT_SCALE_DEVICES = 64  # a preset that leaves mesh_data at -1 is traced on this many devices
 
 
-def largest_preset(variant, train):
-    """(name, TrainConfig on the 8-device test mesh) of the preset with the most parameters."""
-    found = []
-    for name, path in cli.presets(os.path.join(ROOT, variant)).items():
-        cfg = draccus.parse(train.TrainConfig, config_path=path, args=[])
-        cfg = dataclasses.replace(cfg, mesh_data=4, mesh_model=2, batch_size=8, grad_accum=1)
-        with jax.set_mesh(train.make_mesh(cfg)):
-            params = abstract_state(train, cfg, train.make_optimizer(cfg)[0])["params"]
-        found.append((sum(x.size for x in jax.tree.leaves(params)), name, cfg))
-    return max(found, key=lambda t: t[0])[1:] if found else None
+PRESETS = [(v, name) for v in VARIANTS for name in cli.presets(os.path.join(ROOT, v))]
+
+
+def at_scale_devices(cfg) -> int:
+    """The device count a preset is written for: the product of its mesh_* sizes, if it fixes mesh_data."""
+    sizes = [v for k, v in dataclasses.asdict(cfg).items() if k.startswith("mesh_")]
+    return math.prod(sizes) if cfg.mesh_data > 0 else AT_SCALE_DEVICES
 
 
 def batch_spec(mesh, cfg):
@@ -120,13 +120,16 @@ def test_param_specs_match_params(variant):
                 f"{variant}: init places {name} as {got}, param_specs says {spec}"
 
 
-def _trace(train, cfg):
+def _trace(train, cfg, n_devices=None):
+    """Trace and lower one train step: on this machine's devices, or on an AbstractMesh of n_devices
+    (nothing allocated or compiled; lowered for CUDA, as no device of that mesh exists here)."""
     opt, schedule = train.make_optimizer(cfg)
-    mesh = train.make_mesh(cfg)
-    with jax.set_mesh(mesh):
-        state = abstract_state(train, cfg, opt)
+    mesh = train.make_mesh(cfg, n_devices)
+    with jax.set_mesh(mesh) if n_devices is None else jax.sharding.use_abstract_mesh(mesh):
+        state = jax.eval_shape(lambda: train.init_state(cfg, opt, jax.random.key(0)))
         step = train.make_train_step(cfg, opt, schedule)
-        lowered = step.trace(state, batch_spec(mesh, cfg)).lower()
+        traced = step.trace(state, batch_spec(mesh, cfg))
+        lowered = traced.lower() if n_devices is None else traced.lower(lowering_platforms=("cuda",))
         out_state, metrics = lowered.out_info
     assert jax.tree.structure(out_state) == jax.tree.structure(state)
     assert "loss" in metrics
@@ -138,17 +141,17 @@ def test_trace_tiny(variant):
     _trace(train, tiny(train, grad_accum=2))
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_trace_largest_preset(variant):
+# ids end in "<variant>]" like every other test here, so -k "<variant>]" selects them too
+@pytest.mark.parametrize("variant,preset", PRESETS, ids=[f"{p}@{v}" for v, p in PRESETS])
+def test_trace_preset_at_scale(variant, preset):
+    """Every preset's train step traces at its own batch, sequence length and mesh."""
     _, train = modules(variant)
-    found = largest_preset(variant, train)
-    if found is None:
-        pytest.skip(f"{variant} has no presets/")
-    name, cfg = found
+    cfg = draccus.parse(train.TrainConfig, config_path=cli.presets(os.path.join(ROOT, variant))[preset], args=[])
+    n = at_scale_devices(cfg)
     try:
-        _trace(train, cfg)
+        _trace(train, cfg, n)
     except Exception as e:
-        raise AssertionError(f"{variant}: preset {name!r} does not trace: {e}") from e
+        raise AssertionError(f"{variant}: preset {preset!r} does not trace on {n} devices: {e}") from e
 
 
 def random_batch(cfg, rng):

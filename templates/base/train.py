@@ -22,7 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import AbstractMesh, AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from shared import checkpoint, cli, data, distributed, flops, metrics  # noqa: E402
@@ -81,8 +81,10 @@ class TrainConfig:
 # ---------------------------------------------------------------- mesh, optimizer, steps
 
 def make_mesh(cfg: TrainConfig, devices=None):
+    """The (data, model) mesh. `devices`: the devices to use (default: all of them), or a number of
+    devices, for an AbstractMesh that traces a preset at its real scale on a machine without them."""
     devices = jax.devices() if devices is None else devices
-    n, tp = len(devices), cfg.mesh_model
+    n, tp = (devices if isinstance(devices, int) else len(devices)), cfg.mesh_model
     dp = n // tp if cfg.mesh_data == -1 else cfg.mesh_data
     check(dp * tp == n, "mesh_data", f"mesh {dp} (data) x {tp} (model) does not use exactly the {n} devices")
     micro = cfg.batch_size // cfg.grad_accum
@@ -92,6 +94,8 @@ def make_mesh(cfg: TrainConfig, devices=None):
     for name, size in (("n_heads", m.n_heads), ("d_ff", m.d_ff), ("vocab_size", m.vocab_size)):
         check(size % tp == 0, f"model.{name}", f"{size} is not divisible by mesh_model={tp}")
     check(m.d_model % dp == 0, "model.d_model", f"{m.d_model} is not divisible by the data axis ({dp})")
+    if isinstance(devices, int):
+        return AbstractMesh((dp, tp), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
     return jax.make_mesh((dp, tp), ("data", "model"), axis_types=(AxisType.Explicit,) * 2, devices=devices)
 
 
