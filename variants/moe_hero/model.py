@@ -1,0 +1,576 @@
+"""Mixture-of-experts decoder (DeepSeek-V3 style routing) on the swa_hybrid attention pattern.
+
+Copied from variants/swa_hybrid (sliding-window local layers and periodic global layers,
+separate RoPE bases, QK-norm, soft-capping, head gate, GQA, RMSNorm, z-loss, bf16 compute);
+this variant changes the feed-forward and the sharding:
+  - MoE feed-forward: `n_experts` routed SwiGLU experts of width `d_expert`, `top_k` of them
+    per token, plus `n_shared` always-on shared experts (one SwiGLU of width
+    n_shared * d_expert); the first `n_dense_layers` layers keep a dense SwiGLU (`d_ff`).
+    Dense and MoE layers are two stacks (`dense_layers`, `moe_layers`), each scanned with
+    its per-layer local/global flags;
+  - router: sigmoid scores in fp32; the top-k choice uses scores + a per-expert bias
+    (`router_bias`, no gradient; train.py moves it toward balance after every step), the
+    combine weights use the unbiased scores renormalised over the chosen k, times
+    `routed_scale`. Optional router z-loss and sequence-level balance loss;
+  - dispatch (`dispatch`): "dropless" sorts the token-expert assignments by expert and runs
+    the experts as grouped matmuls (`jax.lax.ragged_dot`), then scatter-adds back;
+    "capacity" gives each expert `capacity_factor * assignments / n_experts` slots per
+    device, drops the overflow and counts it;
+  - expert parallelism: a third mesh axis `expert`. Rows of the batch are sharded over
+    ("data", "expert") jointly; expert weights over `expert` on their expert axis (FSDP over
+    `data`, TP over `model` inside); every other weight is FSDP-sharded over ("data",
+    "expert"). The routed experts run inside `jax.shard_map`, tokens exchanged with
+    all-to-all over `expert` (ragged all-to-all, or a fixed-capacity one: `a2a`);
+  - remat "moe": save the weight matmuls and the expert-side tensors (`moe_in`, `moe_out`),
+    so the backward pass does not repeat the all-to-alls;
+  - `flops_per_token` counts active parameters only (top-k routed + shared + router).
+
+Parameters are a plain dict of arrays; `param_specs` gives a PartitionSpec for every leaf.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+from jax.sharding import reshard
+
+from shared import flops, kernels
+
+COPIED_FROM = "variants/swa_hybrid"
+
+BATCH = ("data", "expert")  # rows of the batch (and FSDP shards) live on both axes
+RAGGED_ALL_TO_ALL = jax.lax.ragged_all_to_all  # module-level so a test can emulate it on CPU
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message names the field."""
+
+
+def check(ok: bool, field: str, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field}: {why}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 2048
+    d_model: int = 128
+    n_layers: int = 4  # all layers, the dense first ones included
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 32
+    d_ff: int = 384  # SwiGLU width of the first n_dense_layers layers
+    n_dense_layers: int = 1  # the first layers keep a dense SwiGLU; the rest are MoE
+    n_experts: int = 8  # routed experts per MoE layer
+    top_k: int = 2  # routed experts per token
+    n_shared: int = 1  # always-on shared experts (0 = none)
+    d_expert: int = 96  # SwiGLU width of one expert (routed or shared)
+    routed_scale: float = 1.0  # combine weights = renormalised top-k scores * routed_scale
+    router_z_loss: float = 0.0  # weight of mean(logsumexp(router logits)^2)
+    balance_loss: float = 0.0  # weight of the sequence-level balance loss (DeepSeek-V3 uses 1e-4)
+    dispatch: str = "dropless"  # "dropless" | "capacity"
+    capacity_factor: float = 1.25  # capacity mode: slots per expert = ceil(cf * assignments / n_experts)
+    a2a: str = "auto"  # "auto" | "ragged" | "dense": the token exchange over `expert` (dropless mode)
+    window: int = 64  # local layers see the `window` most recent tokens, themselves included
+    global_every: int = 4  # layer i is global iff (i+1) % global_every == 0, and the last layer is
+    local_rope_theta: float = 10000.0
+    global_rope: str = "rope"  # "rope" | "none" (NoPE on global layers)
+    global_rope_theta: float = 10000.0  # used when global_rope == "rope"
+    qk_norm: bool = True  # RMSNorm over head_dim on q and k (learned scales), before RoPE
+    attn_softcap: float = 0.0  # logits = c * tanh(logits / c); 0 = off (cuDNN cannot: reference then)
+    head_gate: bool = True  # head output *= 2 * sigmoid(g_h), g_h initialised at 0 (identity)
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    z_loss: float = 0.0  # weight of mean(logsumexp^2) of the output logits
+    init_std: float = 0.02
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"  # "bfloat16" on accelerators
+    remat: str = "dots"  # "none" | "dots" | "full" | "moe" (dots + the expert-side tensors)
+    attention_backend: str = "auto"  # see shared/kernels/attention.py
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
+                     "n_experts", "top_k", "d_expert"):
+            check(getattr(self, name) > 0, f"model.{name}", f"must be positive, got {getattr(self, name)}")
+        check(self.n_heads % self.n_kv_heads == 0, "model.n_heads",
+              f"{self.n_heads} is not a multiple of model.n_kv_heads={self.n_kv_heads}")
+        check(self.head_dim % 2 == 0, "model.head_dim", f"RoPE needs an even head_dim, got {self.head_dim}")
+        check(0 <= self.n_dense_layers < self.n_layers, "model.n_dense_layers",
+              f"{self.n_dense_layers} must be in [0, n_layers={self.n_layers}): at least one MoE layer")
+        check(self.top_k <= self.n_experts, "model.top_k", f"{self.top_k} > n_experts={self.n_experts}")
+        check(self.n_shared >= 0, "model.n_shared", f"must be >= 0, got {self.n_shared}")
+        check(self.routed_scale > 0, "model.routed_scale", f"must be positive, got {self.routed_scale}")
+        for name in ("router_z_loss", "balance_loss", "z_loss"):
+            check(getattr(self, name) >= 0, f"model.{name}", f"must be >= 0, got {getattr(self, name)}")
+        check(self.dispatch in ("dropless", "capacity"), "model.dispatch",
+              f"must be dropless or capacity, got {self.dispatch!r}")
+        check(self.capacity_factor > 0, "model.capacity_factor", f"must be positive, got {self.capacity_factor}")
+        check(self.a2a in ("auto", "ragged", "dense"), "model.a2a", f"must be auto, ragged or dense, got {self.a2a!r}")
+        for name in ("param_dtype", "compute_dtype"):
+            check(getattr(self, name) in ("float32", "bfloat16"), f"model.{name}",
+                  f"must be float32 or bfloat16, got {getattr(self, name)!r}")
+        check(self.remat in REMAT, "model.remat", f"must be one of {sorted(REMAT)}, got {self.remat!r}")
+        check(self.init_std > 0, "model.init_std", f"must be positive, got {self.init_std}")
+        check(self.window > 0, "model.window", f"must be positive, got {self.window}")
+        check(self.global_every > 0, "model.global_every", f"must be positive, got {self.global_every}")
+        check(self.global_rope in ("rope", "none"), "model.global_rope",
+              f"must be rope or none, got {self.global_rope!r}")
+        for name in ("local_rope_theta", "global_rope_theta"):
+            check(getattr(self, name) > 0, f"model.{name}", f"must be positive, got {getattr(self, name)}")
+        check(self.attn_softcap >= 0, "model.attn_softcap", f"must be >= 0 (0 = off), got {self.attn_softcap}")
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers - self.n_dense_layers
+
+
+def global_layers(cfg: ModelConfig) -> list[bool]:
+    """Per layer (dense ones first): True for a global layer, False for a sliding-window one."""
+    L = cfg.n_layers
+    return [(i + 1) % cfg.global_every == 0 or i == L - 1 for i in range(L)]
+
+
+def capacity(cfg: ModelConfig, tokens_per_device: int) -> int:
+    """Capacity mode: slots per expert on one device, for its `tokens_per_device` tokens."""
+    return max(1, math.ceil(cfg.capacity_factor * tokens_per_device * cfg.top_k / cfg.n_experts))
+
+
+# ---------------------------------------------------------------- parameters
+
+def _attn_shapes(cfg: ModelConfig, L: int) -> dict:
+    D, q, kv = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    s = {"attn_norm": (L, D), "wq": (L, D, q), "wk": (L, D, kv), "wv": (L, D, kv), "wo": (L, q, D), "mlp_norm": (L, D)}
+    if cfg.qk_norm:
+        s |= {"q_norm": (L, cfg.head_dim), "k_norm": (L, cfg.head_dim)}
+    if cfg.head_gate:
+        s["head_gate"] = (L, cfg.n_heads)
+    return s
+
+
+def _attn_specs(cfg: ModelConfig) -> dict:
+    col, row, rep = P(None, BATCH, "model"), P(None, "model", BATCH), P(None, None)
+    s = {"attn_norm": rep, "wq": col, "wk": col, "wv": col, "wo": row, "mlp_norm": rep}
+    if cfg.qk_norm:
+        s |= {"q_norm": rep, "k_norm": rep}
+    if cfg.head_gate:
+        s["head_gate"] = P(None, "model")  # heads, as in wq's columns
+    return s
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    D, V, E, Fe = cfg.d_model, cfg.vocab_size, cfg.n_experts, cfg.d_expert
+    Ld, Lm = cfg.n_dense_layers, cfg.n_moe_layers
+    moe = _attn_shapes(cfg, Lm) | {
+        "router": (Lm, D, E), "router_bias": (Lm, E),
+        "ex_gate": (Lm, E, D, Fe), "ex_up": (Lm, E, D, Fe), "ex_down": (Lm, E, Fe, D),
+    }
+    if cfg.n_shared:
+        S = cfg.n_shared * Fe
+        moe |= {"sh_gate": (Lm, D, S), "sh_up": (Lm, D, S), "sh_down": (Lm, S, D)}
+    shapes = {"embed": (V, D), "moe_layers": moe, "final_norm": (D,)}
+    if Ld:
+        F = cfg.d_ff
+        shapes["dense_layers"] = _attn_shapes(cfg, Ld) | {"w_gate": (Ld, D, F), "w_up": (Ld, D, F), "w_down": (Ld, F, D)}
+    if not cfg.tie_embeddings:
+        shapes["unembed"] = (D, V)
+    return shapes
+
+
+def param_specs(cfg: ModelConfig) -> dict:
+    """PartitionSpec per leaf. FSDP over ("data", "expert") on the d_model side of every
+    non-expert weight; experts over `expert` (then FSDP over `data`); `model` the width side."""
+    col, row = P(None, BATCH, "model"), P(None, "model", BATCH)
+    moe = _attn_specs(cfg) | {
+        "router": P(None, BATCH, None), "router_bias": P(None, None),
+        "ex_gate": P(None, "expert", "data", "model"), "ex_up": P(None, "expert", "data", "model"),
+        "ex_down": P(None, "expert", "model", "data"),
+    }
+    if cfg.n_shared:
+        moe |= {"sh_gate": col, "sh_up": col, "sh_down": row}
+    specs = {"embed": P("model", BATCH), "moe_layers": moe, "final_norm": P(None)}
+    if cfg.n_dense_layers:
+        specs["dense_layers"] = _attn_specs(cfg) | {"w_gate": col, "w_up": col, "w_down": row}
+    if not cfg.tie_embeddings:
+        specs["unembed"] = P(BATCH, "model")
+    return specs
+
+
+def init(cfg: ModelConfig, key) -> dict:
+    """Normal(0, init_std) matrices, output projections scaled by 1/sqrt(2 n_layers), unit norms,
+    zero gates, zero router bias."""
+    shapes, specs = param_shapes(cfg), param_specs(cfg)
+    dtype = jnp.dtype(cfg.param_dtype)
+    is_shape = lambda s: isinstance(s, tuple)  # noqa: E731
+    paths, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=is_shape)
+    keys = jax.random.split(key, len(paths))
+    leaves = []
+    for (path, shape), k, spec in zip(paths, keys, jax.tree.leaves(specs)):
+        name = path[-1].key
+        if "norm" in name:
+            leaves.append(jnp.ones(shape, dtype, out_sharding=spec))
+        elif name == "router_bias":  # not a trained weight: fp32 always, moved by train.py
+            leaves.append(jnp.zeros(shape, jnp.float32, out_sharding=spec))
+        elif name == "head_gate":  # 2 * sigmoid(0) = 1: the gate starts as the identity
+            leaves.append(jnp.zeros(shape, dtype, out_sharding=spec))
+        else:
+            out = name in ("wo", "w_down", "ex_down", "sh_down")
+            std = cfg.init_std / (2 * cfg.n_layers) ** 0.5 if out else cfg.init_std
+            leaves.append(std * jax.random.normal(k, shape, dtype, out_sharding=spec))
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def num_params(cfg: ModelConfig) -> int:
+    return sum(math.prod(s) for s in jax.tree.leaves(param_shapes(cfg), is_leaf=lambda s: isinstance(s, tuple)))
+
+
+def _matmul_params_per_token(cfg: ModelConfig) -> int:
+    """Weights one token multiplies with: attention, dense FFNs, top-k routed + shared experts, router, unembed."""
+    D, E, Fe = cfg.d_model, cfg.n_experts, cfg.d_expert
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    attn = D * q + 2 * D * kv + q * D
+    dense = cfg.n_dense_layers * (attn + 3 * D * cfg.d_ff)
+    moe = cfg.n_moe_layers * (attn + D * E + (cfg.top_k + cfg.n_shared) * 3 * D * Fe)
+    return dense + moe + D * cfg.vocab_size
+
+
+def num_active_params(cfg: ModelConfig) -> int:
+    """Weights one token multiplies with (top_k routed + shared experts, router, attention, dense
+    FFNs, unembedding); the embedding lookup and the norms are not counted."""
+    return _matmul_params_per_token(cfg)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token, by active parameters: attention projections, the dense FFNs,
+    the top_k routed and the shared experts, the router and the unembedding (not the
+    n_experts - top_k idle experts, nor padding slots or the grouped matmul's fallback work),
+    plus causal attention with local layers at their window."""
+    attn = sum(flops.attention_flops_per_token(seq_len, cfg.n_heads, cfg.head_dim, window=None if g else cfg.window)
+               for g in global_layers(cfg))
+    return flops.matmul_flops_per_token(_matmul_params_per_token(cfg)) + attn
+
+
+# ---------------------------------------------------------------- the network
+
+def rms_norm(x, w, eps):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def positions(tokens, segment_ids):
+    """Position of each token within its own document (restarts where the segment id changes)."""
+    B, T = tokens.shape
+    t = jnp.broadcast_to(jnp.arange(T), (B, T))
+    if segment_ids is None:
+        return t
+    starts = (t == 0) | (segment_ids != jnp.roll(segment_ids, 1, axis=1))
+    return t - jax.lax.cummax(jnp.where(starts, t, 0), axis=1)
+
+
+def rope(x, pos, theta):
+    """Rotary embedding on [B, T, H, hd] (rotate-half form), angles in fp32."""
+    half = x.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    ang = pos[..., None].astype(jnp.float32) * freq  # [B, T, half]
+    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def gather(w, spec, dtype):
+    """FSDP: all-gather a weight (keep its `model` / `expert` sharding) and cast for compute."""
+    return reshard(w, spec).astype(dtype)
+
+
+def attend(q, k, v, pos, segment_ids, is_global, cfg: ModelConfig):
+    """Attention of one layer: the sliding-window branch or the global one, chosen by data."""
+
+    def local(q, k, v):
+        q, k = rope(q, pos, cfg.local_rope_theta), rope(k, pos, cfg.local_rope_theta)
+        return kernels.attention(q, k, v, segment_ids=segment_ids, causal=True, window=cfg.window,
+                                 softcap=cfg.attn_softcap, backend=cfg.attention_backend)
+
+    def global_(q, k, v):
+        if cfg.global_rope == "rope":
+            q, k = rope(q, pos, cfg.global_rope_theta), rope(k, pos, cfg.global_rope_theta)
+        return kernels.attention(q, k, v, segment_ids=segment_ids, causal=True, window=None,
+                                 softcap=cfg.attn_softcap, backend=cfg.attention_backend)
+
+    return jax.lax.cond(is_global, global_, local, q, k, v)
+
+
+def attention(x, layer, pos, segment_ids, is_global, cfg: ModelConfig):
+    """x + the attention sub-block's output."""
+    dt = x.dtype
+    B, T, _ = x.shape
+    col, row, heads = P(None, "model"), P("model", None), P(BATCH, None, "model", None)
+    h = rms_norm(x, layer["attn_norm"], cfg.norm_eps)
+    q = jnp.einsum("btd,dq->btq", h, gather(layer["wq"], col, dt)).reshape(B, T, cfg.n_heads, cfg.head_dim, out_sharding=heads)
+    k = jnp.einsum("btd,dk->btk", h, gather(layer["wk"], col, dt)).reshape(B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads)
+    v = jnp.einsum("btd,dk->btk", h, gather(layer["wv"], col, dt)).reshape(B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads)
+    if cfg.qk_norm:  # per-head RMSNorm over head_dim, one learned scale vector per layer
+        q, k = rms_norm(q, layer["q_norm"], cfg.norm_eps), rms_norm(k, layer["k_norm"], cfg.norm_eps)
+    o = attend(q, k, v, pos, segment_ids, is_global, cfg)
+    if cfg.head_gate:
+        o = o * (2 * jax.nn.sigmoid(layer["head_gate"].astype(jnp.float32))).astype(dt)[:, None]
+    o = o.reshape(B, T, cfg.n_heads * cfg.head_dim, out_sharding=P(BATCH, None, "model"))
+    return x + jnp.einsum("btq,qd->btd", o, gather(layer["wo"], row, dt), out_sharding=P(BATCH, None, None))
+
+
+def swiglu(h, w_gate, w_up, w_down):
+    """A dense SwiGLU on [B, T, D] with FSDP-gathered, TP-sharded weights."""
+    dt = h.dtype
+    col, row = P(None, "model"), P("model", None)
+    gate = jnp.einsum("btd,df->btf", h, gather(w_gate, col, dt))
+    up = jnp.einsum("btd,df->btf", h, gather(w_up, col, dt))
+    return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, gather(w_down, row, dt), out_sharding=P(BATCH, None, None))
+
+
+# ---------------------------------------------------------------- routing and dispatch (per device)
+
+def route(x, w_router, bias, cfg: ModelConfig):
+    """x [N, D] -> (expert ids [N, k], combine weights [N, k], logits [N, E], scores [N, E]), fp32.
+
+    The bias only changes which experts are chosen; the weights are the chosen experts'
+    unbiased sigmoid scores, renormalised over the k of them, times routed_scale.
+    """
+    logits = jnp.einsum("nd,de->ne", x.astype(jnp.float32), w_router.astype(jnp.float32))
+    scores = jax.nn.sigmoid(logits)
+    _, idx = jax.lax.top_k(scores + jax.lax.stop_gradient(bias.astype(jnp.float32)), cfg.top_k)
+    chosen = jnp.take_along_axis(scores, idx, axis=-1)
+    weights = chosen / jnp.sum(chosen, axis=-1, keepdims=True) * cfg.routed_scale
+    return idx, weights, logits, scores
+
+
+def _experts_grouped(x, group_sizes, wg, wu, wd):
+    """Rows of x sorted by local expert (group_sizes rows each; any rows after them are padding)."""
+    g = jax.lax.ragged_dot(x, wg, group_sizes)
+    u = jax.lax.ragged_dot(x, wu, group_sizes)
+    return jax.lax.ragged_dot(jax.nn.silu(g) * u, wd, group_sizes)
+
+
+def _experts_batched(x, wg, wu, wd):
+    """x [E_local, slots, D]: every expert on its own fixed number of slots."""
+    g = jnp.einsum("esd,edf->esf", x, wg)
+    u = jnp.einsum("esd,edf->esf", x, wu)
+    return jnp.einsum("esf,efd->esd", jax.nn.silu(g) * u, wd)
+
+
+def _a2a(x, ep):
+    """All-to-all over `expert` on the leading axis (ep equal chunks, chunk i to peer i)."""
+    return jax.lax.all_to_all(x, "expert", 0, 0, tiled=True) if ep > 1 else x
+
+
+def _receiver_experts(recv, rc, src_off, wg, wu, wd):
+    """Run the local experts on rows received from every source.
+
+    recv [M, D]: from source s, starting at row src_off[s], rc[s, 0] rows for local expert 0,
+    then rc[s, 1] rows for expert 1, ...; the other rows are padding. Rows are regrouped by
+    local expert for the grouped matmul and the outputs put back in the received order.
+    """
+    M = recv.shape[0]
+    ep, El = rc.shape
+    starts = (src_off[:, None] + jnp.cumsum(rc, axis=1) - rc).reshape(-1)  # [ep * El], non-decreasing
+    ends = starts + rc.reshape(-1)
+    r = jnp.arange(M, dtype=starts.dtype)
+    g = jnp.searchsorted(ends, r, side="right")  # first (source, expert) group ending after row r
+    gc = jnp.minimum(g, ep * El - 1)
+    e_loc = jnp.where((g < ep * El) & (r >= starts[gc]), gc % El, El)  # El = padding, sorted last
+    perm = jnp.argsort(e_loc, stable=True)
+    x = checkpoint_name(recv[perm], "moe_in")
+    y = _experts_grouped(x, jnp.sum(rc, axis=0), wg, wu, wd)
+    inv = jnp.zeros((M,), jnp.int32).at[perm].set(jnp.arange(M, dtype=jnp.int32))
+    return y[inv]
+
+
+def _dropless(xs, e_sorted, counts, wg, wu, wd, *, ep, a2a):
+    """Expert outputs [A, D] for the assignments xs [A, D], sorted by expert; nothing dropped."""
+    A, D = xs.shape
+    E = counts.shape[0]
+    El = E // ep
+    if ep == 1:
+        return _experts_grouped(checkpoint_name(xs, "moe_in"), counts, wg, wu, wd)
+    pc = jnp.sum(counts.reshape(ep, El), axis=1)  # assignments this device sends to each peer
+    pstart = jnp.cumsum(pc) - pc  # where each peer's rows start in xs (sorted by expert)
+    rc = _a2a(counts.reshape(ep, El), ep)  # [source, local expert]: rows each source sends here
+    if a2a == "ragged":  # send exactly the rows; receive into a buffer sized for the worst case
+        allc = jax.lax.all_gather(pc, "expert")  # [source, destination]
+        me = jax.lax.axis_index("expert")
+        recv_sizes = allc[:, me]
+        recv_off = jnp.cumsum(recv_sizes) - recv_sizes  # received rows are packed by source
+        out_off = (jnp.cumsum(allc, axis=0) - allc)[me]  # where my rows land in each peer's buffer
+        recv = RAGGED_ALL_TO_ALL(xs, jnp.zeros((ep * A, D), xs.dtype), pstart, pc, out_off, recv_sizes,
+                                 axis_name="expert")
+        y = _receiver_experts(recv, rc, recv_off, wg, wu, wd)
+        back_off = _a2a(pstart, ep)  # source s's pstart[me]: where its rows sit in its own xs
+        return checkpoint_name(RAGGED_ALL_TO_ALL(y, jnp.zeros_like(xs), recv_off, recv_sizes, back_off, pc,
+                                                 axis_name="expert"), "moe_out")
+    # fixed capacity: A rows per peer (the worst case, so nothing can overflow)
+    peer = e_sorted // El
+    slot = peer * A + jnp.arange(A) - pstart[peer]
+    buf = jnp.zeros((ep * A, D), xs.dtype).at[slot].set(xs, unique_indices=True)
+    recv = _a2a(buf, ep)  # [source-major blocks of A rows]
+    y = _receiver_experts(recv, rc, jnp.arange(ep, dtype=rc.dtype) * A, wg, wu, wd)
+    return checkpoint_name(_a2a(y, ep), "moe_out")[slot]
+
+
+def _capacity(xs, e_sorted, counts, wg, wu, wd, *, ep, slots):
+    """Capacity mode: each expert takes its first `slots` assignments of this device (token
+    order); the rest are dropped. Returns (outputs [A, D], zero where dropped; kept [A])."""
+    A, D = xs.shape
+    E = counts.shape[0]
+    El = E // ep
+    estart = jnp.cumsum(counts) - counts
+    pos = jnp.arange(A) - estart[e_sorted]
+    kept = pos < slots
+    slot = jnp.where(kept, e_sorted * slots + pos, E * slots)  # out of range = dropped
+    buf = jnp.zeros((E * slots, D), xs.dtype).at[slot].set(xs, mode="drop", unique_indices=True)
+    recv = _a2a(buf, ep).reshape(ep, El, slots, D)  # [source, local expert, slot]
+    x = checkpoint_name(jnp.swapaxes(recv, 0, 1).reshape(El, ep * slots, D), "moe_in")
+    y = _experts_batched(x, wg, wu, wd).reshape(El, ep, slots, D)
+    y = checkpoint_name(_a2a(jnp.swapaxes(y, 0, 1).reshape(E * slots, D), ep), "moe_out")
+    return jnp.where(kept[:, None], y[jnp.minimum(slot, E * slots - 1)], 0), kept
+
+
+def _moe_local(x, w_router, bias, wg, wu, wd, *, cfg: ModelConfig, ep: int, a2a: str):
+    """The routed experts on one device's tokens x [B_l, T, D] (inside shard_map).
+
+    Returns (output [B_l, T, D], stats): stats are summed over the data and expert axes.
+    """
+    B, T, D = x.shape
+    N, k, E = B * T, cfg.top_k, cfg.n_experts
+    A = N * k
+    xt = x.reshape(N, D)
+    idx, w, logits, scores = route(xt, w_router, bias, cfg)
+    flat = idx.reshape(A)
+    counts = jnp.zeros((E,), jnp.int32).at[flat].add(1)
+    order = jnp.argsort(flat, stable=True)  # assignments sorted by expert, token order within one
+    e_sorted, tok = flat[order], order // k
+    xs = xt[tok]
+    if cfg.dispatch == "dropless":
+        y = _dropless(xs, e_sorted, counts, wg, wu, wd, ep=ep, a2a=a2a)
+        dropped = jnp.zeros((), jnp.int32)
+    else:
+        y, kept = _capacity(xs, e_sorted, counts, wg, wu, wd, ep=ep, slots=capacity(cfg, N))
+        dropped = A - jnp.sum(kept.astype(jnp.int32))
+    out = jnp.zeros((N, D), jnp.float32).at[tok].add(y.astype(jnp.float32) * w.reshape(A)[order][:, None])
+    out = jax.lax.psum(out, "model").astype(x.dtype)  # the experts' width is sharded over `model`
+
+    # sequence-level balance loss (DeepSeek-V3): sum_i f_i P_i per row, f from the choice, P from scores
+    rows = jnp.repeat(jnp.arange(B), T * k)
+    f = jnp.zeros((B, E), jnp.float32).at[rows, flat].add(1.0) * (E / (k * T))
+    p = jnp.mean((scores / jnp.sum(scores, axis=-1, keepdims=True)).reshape(B, T, E), axis=1)
+    stats = {"load": counts, "dropped": dropped,
+             "router_z": jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2), "balance": jnp.sum(f * p)}
+    return out.reshape(B, T, D), jax.lax.psum(stats, ("data", "expert"))
+
+
+def moe_ffn(h, layer, cfg: ModelConfig):
+    """Routed experts (shard_map over the whole mesh) + shared experts, on h [B, T, D].
+
+    Returns (output, stats) with stats {"load" [E], "dropped", "router_z", "balance"} as global sums.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or set(mesh.axis_names) != {"data", "expert", "model"}:
+        raise ConfigError("moe_hero runs under a mesh with axes data, expert, model (train.make_mesh); "
+                          f"got {mesh.axis_names if not mesh.empty else 'no mesh'}")
+    dt, ep = h.dtype, mesh.shape["expert"]
+    a2a = cfg.a2a if cfg.a2a != "auto" else ("ragged" if jax.default_backend() in ("gpu", "tpu") else "dense")
+    ex, exd = P("expert", None, "model"), P("expert", "model", None)
+    args = (h, reshard(layer["router"], P(None, None)), reshard(layer["router_bias"], P(None)),
+            gather(layer["ex_gate"], ex, dt), gather(layer["ex_up"], ex, dt), gather(layer["ex_down"], exd, dt))
+    routed, stats = jax.shard_map(
+        functools.partial(_moe_local, cfg=cfg, ep=ep, a2a=a2a),
+        in_specs=(P(BATCH, None, None), P(None, None), P(None), ex, ex, exd),
+        out_specs=(P(BATCH, None, None), P()),
+    )(*args)
+    if cfg.n_shared:
+        routed = routed + swiglu(h, layer["sh_gate"], layer["sh_up"], layer["sh_down"])
+    return routed, stats
+
+
+REMAT = {
+    "none": None,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "moe": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names("moe_in", "moe_out")),
+}
+
+
+def hidden_states(params, tokens, cfg: ModelConfig, *, segment_ids=None):
+    """(final-norm hidden states [B, T, D] in the compute dtype, per-MoE-layer stats stacked on axis 0)."""
+    dt = jnp.dtype(cfg.compute_dtype)
+    tokens = reshard(tokens, P(BATCH, None))
+    if segment_ids is not None:
+        segment_ids = reshard(segment_ids, P(BATCH, None))
+    x = reshard(params["embed"], P(None, None)).at[tokens].get(out_sharding=P(BATCH, None, None)).astype(dt)
+    pos = positions(tokens, segment_ids)
+
+    def dense_step(x, layer_and_kind):
+        layer, is_global = layer_and_kind
+        x = attention(x, layer, pos, segment_ids, is_global, cfg)
+        h = rms_norm(x, layer["mlp_norm"], cfg.norm_eps)
+        return x + swiglu(h, layer["w_gate"], layer["w_up"], layer["w_down"]), None
+
+    def moe_step(x, layer_and_kind):
+        layer, is_global = layer_and_kind
+        x = attention(x, layer, pos, segment_ids, is_global, cfg)
+        y, stats = moe_ffn(rms_norm(x, layer["mlp_norm"], cfg.norm_eps), layer, cfg)
+        return x + y, stats
+
+    if cfg.remat != "none":
+        dense_step = jax.checkpoint(dense_step, policy=REMAT[cfg.remat])
+        moe_step = jax.checkpoint(moe_step, policy=REMAT[cfg.remat])
+    kinds = jnp.asarray(global_layers(cfg))  # the layer pattern, scanned alongside the weights
+    nd = cfg.n_dense_layers
+    if nd:
+        x, _ = jax.lax.scan(dense_step, x, (params["dense_layers"], kinds[:nd]))
+    x, stats = jax.lax.scan(moe_step, x, (params["moe_layers"], kinds[nd:]))
+    return rms_norm(x, params["final_norm"], cfg.norm_eps), stats
+
+
+def unembedding(params, cfg: ModelConfig):
+    w = params["embed"].T if cfg.tie_embeddings else params["unembed"]
+    return reshard(w, P(None, "model")).astype(jnp.dtype(cfg.compute_dtype))
+
+
+def forward(params, tokens, cfg: ModelConfig, *, segment_ids=None):
+    """Logits [B, T, V] in fp32. Training uses `loss_fn`, which never holds all of them at once."""
+    h, _ = hidden_states(params, tokens, cfg, segment_ids=segment_ids)
+    return jnp.einsum("btd,dv->btv", h, unembedding(params, cfg), preferred_element_type=jnp.float32)
+
+
+def loss_fn(params, batch, cfg: ModelConfig):
+    """Mean next-token cross-entropy (+ z-loss, router z-loss, balance loss). Returns (loss, metrics).
+
+    metrics: loss, z, tokens as in dense; load [n_moe_layers, E] (assignments per expert),
+    dropped (assignments dropped, all layers), assignments (all layers), router_z and balance
+    (means over tokens / rows and layers).
+    """
+    h, st = hidden_states(params, batch["tokens"], cfg, segment_ids=batch["segment_ids"])
+    targets, mask = (reshard(batch[k], P(BATCH, None)) for k in ("targets", "loss_mask"))  # rows as h's
+    nll, zsq = kernels.cross_entropy(h, unembedding(params, cfg), targets, mask)
+    n = jnp.maximum(jnp.sum(mask), 1.0)
+    ce, z = nll / n, zsq / n
+    B, T = batch["tokens"].shape
+    Lm = cfg.n_moe_layers
+    router_z = jnp.sum(st["router_z"]) / (B * T * Lm)
+    balance = jnp.sum(st["balance"]) / (B * Lm)
+    loss = ce
+    if cfg.z_loss:
+        loss = loss + cfg.z_loss * z
+    if cfg.router_z_loss:
+        loss = loss + cfg.router_z_loss * router_z
+    if cfg.balance_loss:
+        loss = loss + cfg.balance_loss * balance
+    return loss, {"loss": ce, "z": z, "tokens": n, "load": st["load"].astype(jnp.float32),
+                  "dropped": jnp.sum(st["dropped"]).astype(jnp.float32),
+                  "assignments": jnp.float32(B * T * cfg.top_k * Lm), "router_z": router_z, "balance": balance}
