@@ -75,6 +75,13 @@ def _describe(rc: int) -> str:
     return f"exited with status {rc}"
 
 
+def _cause(bad: list[tuple[int, int]]) -> str:
+    """Which of the failed (process, status) pairs to report: one killed by a signal is the likelier
+    cause (its peers then fail on the lost connection), else the lowest process index."""
+    i, rc = min(bad, key=lambda b: (b[1] >= 0, b[0]))
+    return f"process {i} {_describe(rc)}"
+
+
 def launch(cmd: list[str], nproc: int, devices: int, platform: str = "cpu", timeout: float = 0,
            out=sys.stdout) -> int:
     """Run cmd as nproc processes; 0 when all succeed, else 1 after stopping the rest."""
@@ -87,17 +94,17 @@ def launch(cmd: list[str], nproc: int, devices: int, platform: str = "cpu", time
     start, failed = time.monotonic(), None
     try:
         while failed is None and any(p.poll() is None for p in procs):
-            for i, p in enumerate(procs):
-                if p.poll() not in (None, 0):
-                    failed = f"process {i} {_describe(p.returncode)}"
-                    break
+            if any(p.poll() not in (None, 0) for p in procs):
+                time.sleep(0.5)  # let a peer that failed with it be reaped too
+                failed = _cause([(i, p.poll()) for i, p in enumerate(procs) if p.poll() not in (None, 0)])
+                break
             if failed is None and timeout and time.monotonic() - start > timeout:
                 failed = f"timed out after {timeout:.0f}s"
             time.sleep(0.2)
         if failed is None:
             bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
             if bad:
-                failed = f"process {bad[0][0]} {_describe(bad[0][1])}"
+                failed = _cause(bad)
     except KeyboardInterrupt:
         failed = "interrupted"
     if failed is not None:
