@@ -183,7 +183,7 @@ def test_pallas_interpret_matches_xla():
         def f(*a):
             o, s = K.kda(*a, segment_ids=seg, chunk_size=32, impl=impl)
             return jnp.sum(o ** 2) + jnp.sum(s), (o, s)
-        return jax.value_and_grad(f, (0, 1, 2, 3, 4), has_aux=True)(q, k, v, g, beta)
+        return jax.jit(jax.value_and_grad(f, (0, 1, 2, 3, 4), has_aux=True))(q, k, v, g, beta)
 
     (_, (o1, s1)), g1 = run("pallas_interpret")
     (_, (o2, s2)), g2 = run("xla")
