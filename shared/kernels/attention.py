@@ -8,37 +8,58 @@ attention). Masks, all optional and combined with AND:
 Logit soft-capping, optional: softcap=c > 0 replaces each scaled logit x by c * tanh(x / c)
 before the masks and the softmax (0 = off).
 
-Backends:
+Backends, in the order `auto` tries them:
+  cudnn      `jax.nn.dot_product_attention(implementation="cudnn")`, NVIDIA GPUs only.
+             UNVERIFIED ON GPU: it was written and checked for refusal logic on CPU only.
+             Segment ids are passed as a dense [B, 1, T, S] boolean mask, which costs
+             O(T*S) memory, so `auto` passes it over for packed rows longer than 4096.
+             A window only with the causal mask; no soft-capping.
+  flash4     FlashAttention-4 CuTe-DSL kernels (package `flash-attn-4`, module
+             `flash_attn.cute`), Hopper (sm90) and Blackwell (sm100) GPUs, forward and
+             backward. UNVERIFIED ON GPU: the JAX-to-torch glue (see `_flash4`) was run on
+             CPU with a torch stand-in for the kernels; the kernels themselves never ran.
+             Causal, window (with causal), soft-capping, grouped-query attention; refuses
+             segment ids (its dense interface has none). `auto` passes it over below
+             T = 1024 (a guess, not a measurement: each call is a Python launch).
+  pallas     our Pallas flash attention (shared/kernels/pallas_attention.py), Triton
+             lowering, NVIDIA GPUs (sm80+), forward and backward kernels. UNVERIFIED ON GPU:
+             checked on CPU in Pallas interpret mode against the reference and lowered for
+             CUDA; never compiled by Triton nor run on a GPU. Every mask the reference has
+             (causal, window, segment ids, soft-capping, GQA); O(T * W) work for a window.
   reference  XLA einsums with an fp32 softmax. Always available; the ground truth.
              Causal calls with a window W < T take a blockwise path: queries in blocks of
              Bq = min(W, 512), each block against its own and the previous ceil((W-1)/Bq)
              key blocks, so time and memory grow as T * (W + Bq), not T^2. Every other
              call builds the full [T, S] masked logits.
-  cudnn      `jax.nn.dot_product_attention(implementation="cudnn")`, NVIDIA GPUs only.
-             UNVERIFIED ON GPU: it was written and checked for refusal logic on CPU only.
-             Segment ids are passed as a dense [B, 1, T, S] boolean mask, which costs
-             O(T*S) memory. A window only with the causal mask; no soft-capping.
 
-`backend="auto"` takes the first backend in BACKENDS that is available on this platform
-and can express the call, and logs that choice once. A backend named explicitly that is
-unavailable, or cannot express the masks asked for, raises AttentionError saying why;
-there is never a silent fallback.
+The kernel backends (flash4, pallas) take whole local arrays: under an explicit mesh they
+run per device through `jax.shard_map` over the batch (`data`) and head (`model`) axes;
+a sharded sequence or head_dim axis is refused.
+
+`backend="auto"` takes the first backend in BACKENDS that is available on this platform,
+can express the call and does not pass on it, and logs that choice once. On CPU that is
+always the reference. A backend named explicitly that is unavailable, or cannot express
+the masks asked for, raises AttentionError saying why; there is never a silent fallback.
+The order (cuDNN before FA4 before Pallas) is the expected speed, unmeasured:
+`python -m shared.kernels.selfcheck` on a GPU measures it.
 """
 
 from __future__ import annotations
 
-import logging
+import functools
 from dataclasses import dataclass
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-log = logging.getLogger("stencil.kernels")
+from shared.kernels.dispatch import (Backend, KernelError, choose, missing, named, not_nvidia_gpu, per_shard, spec,
+                                     torch_call)
+
+__all__ = ["AttentionError", "Backend", "BACKENDS", "Call", "attention", "available_backends", "reference"]
 
 
-class AttentionError(ValueError):
+class AttentionError(KernelError):
     """An attention backend cannot run this call (unavailable, or a mask it cannot express)."""
 
 
@@ -53,14 +74,6 @@ class Call:
     window: int | None
     has_segments: bool
     softcap: float = 0.0
-
-
-@dataclass(frozen=True)
-class Backend:
-    name: str
-    unavailable: Callable[[], str | None]  # None when usable here, else the reason
-    refuses: Callable[[Call], str | None]  # None when it can express the call, else the reason
-    run: Callable
 
 
 # ---------------------------------------------------------------- reference (XLA)
@@ -98,14 +111,14 @@ def _dense(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, s
     S, Hkv = k.shape[1], k.shape[2]
     scale = D**-0.5 if scale is None else scale
     # Keep q's head sharding on the kv-head axis of the grouped view (explicit meshes).
-    b, t, h, d = _spec(q)
-    qg = q.reshape(B, T, Hkv, H // Hkv, D, out_sharding=_named(b, t, h, None, d))
+    b, t, h, d = spec(q)
+    qg = q.reshape(B, T, Hkv, H // Hkv, D, out_sharding=named(b, t, h, None, d))
     logits = _logits(qg, k, scale, softcap, "btkgd,bskd->bkgts")
     ok = _mask(T, S, causal, window, segment_ids, segment_ids)
     logits = jnp.where(ok, logits, -1e30)
     probs = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v)
-    return out.reshape(B, T, H, D, out_sharding=_named(b, t, h, d))
+    return out.reshape(B, T, H, D, out_sharding=named(b, t, h, d))
 
 
 def _windowed(q, k, v, *, segment_ids=None, window, scale=None, softcap=0.0, block=None):
@@ -123,17 +136,17 @@ def _windowed(q, k, v, *, segment_ids=None, window, scale=None, softcap=0.0, blo
     Bq = min(W, 512) if block is None else block
     n, nb = -(-T // Bq), -(-(W - 1) // Bq)
     Tp, S = n * Bq, (nb + 1) * Bq  # padded length, keys seen by one query block
-    b, _, h, d = _spec(q)
-    bk, _, hk, dk = _spec(k)
+    b, _, h, d = spec(q)
+    bk, _, hk, dk = spec(k)
 
     def key_windows(x):  # [B, T, ...] -> [B, n, S, ...]: block i gets key blocks i-nb .. i
         x = jnp.pad(x, [(0, 0), (nb * Bq, Tp - T)] + [(0, 0)] * (x.ndim - 2))
-        rest = _spec(x)[2:]
-        x = x.reshape(B, n + nb, Bq, *x.shape[2:], out_sharding=_named(bk, None, None, *rest))
+        rest = spec(x)[2:]
+        x = x.reshape(B, n + nb, Bq, *x.shape[2:], out_sharding=named(bk, None, None, *rest))
         return jnp.concatenate([x[:, j:j + n] for j in range(nb + 1)], axis=2)
 
     qp = jnp.pad(q, [(0, 0), (0, Tp - T), (0, 0), (0, 0)])
-    qb = qp.reshape(B, n, Bq, Hkv, H // Hkv, D, out_sharding=_named(b, None, None, h, None, d))
+    qb = qp.reshape(B, n, Bq, Hkv, H // Hkv, D, out_sharding=named(b, None, None, h, None, d))
     kw, vw = key_windows(k), key_windows(v)
     logits = _logits(qb, kw, scale, softcap, "bnqkgd,bnskd->bnkgqs")  # [B, n, Hkv, G, Bq, S]
 
@@ -141,30 +154,25 @@ def _windowed(q, k, v, *, segment_ids=None, window, scale=None, softcap=0.0, blo
     kpos = (jnp.arange(n)[:, None, None] - nb) * Bq + jnp.arange(S)[None, None, :]  # [n, 1, S]
     ok = ((kpos <= qpos) & (qpos - kpos < W) & (kpos >= 0))[None, :, None, None]
     if segment_ids is not None:
-        sb = _spec(segment_ids)[0]
-        sq = jnp.pad(segment_ids, [(0, 0), (0, Tp - T)]).reshape(B, n, Bq, out_sharding=_named(sb, None, None))
+        sb = spec(segment_ids)[0]
+        sq = jnp.pad(segment_ids, [(0, 0), (0, Tp - T)]).reshape(B, n, Bq, out_sharding=named(sb, None, None))
         sk = key_windows(segment_ids)
         ok = ok & (sq[:, :, None, None, :, None] == sk[:, :, None, None, None, :])
     probs = jax.nn.softmax(jnp.where(ok, logits, -1e30), axis=-1)
     out = jnp.einsum("bnkgqs,bnskd->bnqkgd", probs.astype(v.dtype), vw)
-    return out.reshape(B, Tp, H, D, out_sharding=_named(b, None, h, d))[:, :T]
-
-
-def _spec(x):
-    """The PartitionSpec of x under an explicit mesh (4 Nones when there is no mesh)."""
-    spec = tuple(jax.typeof(x).sharding.spec) if not jax.sharding.get_abstract_mesh().empty else ()
-    return spec + (None,) * (x.ndim - len(spec))
-
-
-def _named(*spec):
-    return None if jax.sharding.get_abstract_mesh().empty else P(*spec)
+    return out.reshape(B, Tp, H, D, out_sharding=named(b, None, h, d))[:, :T]
 
 
 # ---------------------------------------------------------------- cuDNN (GPU)
 
 def _cudnn_unavailable():
-    if jax.default_backend() != "gpu":
-        return f"cuDNN attention needs an NVIDIA GPU; this process runs on {jax.default_backend()!r}"
+    return not_nvidia_gpu("cuDNN attention")
+
+
+def _cudnn_auto_skip(c: Call):
+    T, S = c.q_shape[1], c.kv_shape[1]
+    if c.has_segments and T * S > 4096 * 4096:
+        return f"segment ids would cost a dense [B, 1, {T}, {S}] mask in memory (pallas streams them)"
     return None
 
 
@@ -192,13 +200,150 @@ def _cudnn(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, s
     )
 
 
+# ---------------------------------------------------------------- whole-array kernels under a mesh
+
+def _local(fn, q, k, v, segment_ids):
+    """Run a whole-array kernel `fn(q, k, v, segment_ids)` per device under an explicit mesh.
+
+    Batch may be sharded (over any axes) and heads too, as long as q, k and v shard them
+    alike, so that each device holds whole kv groups. Sequence and head_dim must be whole.
+    """
+    if jax.sharding.get_abstract_mesh().empty:
+        return fn(q, k, v, segment_ids)
+    qs, ks, vs = spec(q), spec(k), spec(v)
+    if qs[1] is not None or qs[3] is not None or ks[1] is not None or ks[3] is not None:
+        raise AttentionError(f"this kernel needs whole sequences and head_dims per device; got q {qs}, k {ks}")
+    if (qs[0], qs[2]) != (ks[0], ks[2]) or vs != ks:
+        raise AttentionError(f"q, k and v must shard batch and heads alike; got q {qs}, k {ks}, v {vs}")
+    seg_spec = (qs[0], None)
+    if segment_ids is not None and spec(segment_ids) != seg_spec:
+        segment_ids = jax.sharding.reshard(segment_ids, P(*seg_spec))
+    return per_shard(fn, (q, k, v, segment_ids), (qs, ks, vs, seg_spec), qs)
+
+
+# ---------------------------------------------------------------- FlashAttention-4 (CuTe DSL, torch)
+#
+# flash_attn.cute is called on XLA's own buffers through `dispatch.torch_call` (DLPack views,
+# XLA's stream; see there). FA4 allocates its scratch (backward accumulators) through torch's
+# caching allocator, outside XLA's pool: leave it room (XLA_PYTHON_CLIENT_MEM_FRACTION=0.8 or
+# so). UNVERIFIED ON GPU.
+
+def _fa4_torch_kernels():
+    """(fwd, bwd) taking torch tensors and filling the outputs; the tests swap these for a torch stand-in."""
+    from flash_attn.cute import interface as fa
+
+    def fwd(q, k, v, out, lse, *, scale, causal, softcap, window_left):
+        fa._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=causal, softcap=softcap or None,
+                           window_size_left=window_left, window_size_right=0 if window_left is not None else None,
+                           return_lse=True, out=out, lse=lse)
+
+    def bwd(q, k, v, out, dout, lse, dq, dk, dv, *, scale, causal, softcap, window_left):
+        fa._flash_attn_bwd(q, k, v, out, dout, lse, scale, causal, softcap,
+                           window_size_left=window_left, window_size_right=0 if window_left is not None else None,
+                           dq=dq, dk=dk, dv=dv)
+
+    return fwd, bwd
+
+
+FA4_KERNELS = None  # (fwd, bwd); None = flash_attn.cute, loaded on first use
+
+
+def _fa4_kernel(i):
+    return lambda *ts, **kw: (FA4_KERNELS or _fa4_torch_kernels())[i](*ts, **kw)
+
+
+def _fa4_fwd_call(q, k, v, opts):
+    B, T, H, _ = q.shape
+    out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, H, T), jnp.float32))
+    return torch_call(_fa4_kernel(0), out, q, k, v, opts=opts)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _fa4(q, k, v, opts):
+    return _fa4_fwd_call(q, k, v, opts)[0]
+
+
+def _fa4_fwd(q, k, v, opts):
+    o, lse = _fa4_fwd_call(q, k, v, opts)
+    return o, (q, k, v, o, lse)
+
+
+def _fa4_bwd(opts, res, do):
+    q, k, v, o, lse = res
+    out = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+    return torch_call(_fa4_kernel(1), out, q, k, v, o, do.astype(o.dtype), lse, opts=opts)
+
+
+_fa4.defvjp(_fa4_fwd, _fa4_bwd)
+
+
+def _flash4_unavailable():
+    why = not_nvidia_gpu("FlashAttention-4", min_cc=(9, 0), max_cc=(10, 3)) or missing("torch", "tvm_ffi", "flash_attn.cute")
+    if why is None:
+        import torch
+        if not torch.cuda.is_available():
+            why = f"FlashAttention-4 needs a CUDA build of torch; this torch is {torch.__version__} without CUDA"
+    return why
+
+
+def _flash4_refuses(c: Call):
+    if c.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"FlashAttention-4 takes bfloat16/float16 inputs, got {c.dtype}"
+    if c.q_shape[-1] % 8 or c.q_shape[-1] > 128:
+        return f"FlashAttention-4 here takes head_dim a multiple of 8 and <= 128, got {c.q_shape[-1]}"
+    if c.has_segments:
+        return "FlashAttention-4 has no segment ids in its dense interface (use pallas or cudnn for packed documents)"
+    if c.window is not None and not c.causal:
+        return "FlashAttention-4 is used here for a sliding window only together with the causal mask"
+    return None
+
+
+def _flash4_auto_skip(c: Call):
+    if c.q_shape[1] < 1024:
+        return f"T={c.q_shape[1]} < 1024: a Python launch per call is not expected to pay (unmeasured)"
+    return None
+
+
+def _flash4(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, softcap=0.0):
+    assert segment_ids is None, "refused in _flash4_refuses"
+    opts = (("scale", q.shape[-1] ** -0.5 if scale is None else float(scale)), ("causal", bool(causal)),
+            ("softcap", float(softcap)), ("window_left", None if window is None else int(window) - 1))
+    return _local(lambda q, k, v, _: _fa4(q, k, v, opts), q, k, v, None)
+
+
+# ---------------------------------------------------------------- Pallas (Triton lowering, GPU)
+
+def _pallas_unavailable():
+    return not_nvidia_gpu("Pallas (Triton) attention", min_cc=(8, 0))
+
+
+def _pallas_refuses(c: Call):
+    if c.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        return f"Pallas attention takes bfloat16/float16/float32 inputs, got {c.dtype}"
+    if c.q_shape[-1] > 256:
+        return f"Pallas attention takes head_dim <= 256, got {c.q_shape[-1]}"
+    if c.window is not None and not c.causal and c.q_shape[1] != c.kv_shape[1]:
+        return "Pallas attention: a window without the causal mask and T != S can leave a query no key"
+    return None
+
+
+def _pallas(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, softcap=0.0, interpret=False):
+    from shared.kernels import pallas_attention
+
+    def run(q, k, v, seg):
+        return pallas_attention.attention(q, k, v, segment_ids=seg, causal=causal, window=window, scale=scale,
+                                          softcap=softcap, interpret=interpret)
+    return _local(run, q, k, v, segment_ids)
+
+
 # ---------------------------------------------------------------- dispatch
 
 BACKENDS: dict[str, Backend] = {
-    "cudnn": Backend("cudnn", _cudnn_unavailable, _cudnn_refuses, _cudnn),
+    "cudnn": Backend("cudnn", _cudnn_unavailable, _cudnn_refuses, _cudnn, _cudnn_auto_skip),
+    "flash4": Backend("flash4", _flash4_unavailable, _flash4_refuses, _flash4, _flash4_auto_skip),
+    "pallas": Backend("pallas", _pallas_unavailable, _pallas_refuses, _pallas),
     "reference": Backend("reference", lambda: None, lambda c: None, reference),
 }
-_logged: set = set()
 
 
 def available_backends() -> list[str]:
@@ -206,27 +351,8 @@ def available_backends() -> list[str]:
 
 
 def _choose(call: Call, backend: str) -> Backend:
-    if backend != "auto":
-        if backend not in BACKENDS:
-            raise AttentionError(f"unknown attention backend {backend!r}; known: {sorted(BACKENDS)} or 'auto'")
-        b = BACKENDS[backend]
-        why = b.unavailable() or b.refuses(call)
-        if why:
-            raise AttentionError(f"attention backend {backend!r} cannot run this call: {why}")
-        return b
-    skipped = []
-    for b in BACKENDS.values():
-        why = b.unavailable() or b.refuses(call)
-        if why is None:
-            key = (b.name, call.q_shape, call.window)
-            if key not in _logged:
-                _logged.add(key)
-                note = "; ".join(f"{n}: {w}" for n, w in skipped)
-                log.info("attention backend %s for q%s window=%s%s", b.name, call.q_shape, call.window,
-                         f" (skipped {note})" if note else "")
-            return b
-        skipped.append((b.name, why))
-    raise AttentionError(f"no attention backend can run this call: {skipped}")
+    return choose("attention", BACKENDS, call, backend, error=AttentionError,
+                  key=f"q{call.q_shape} window={call.window}")
 
 
 def attention(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, softcap=0.0, backend="auto"):

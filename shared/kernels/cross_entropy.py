@@ -1,17 +1,42 @@
 """Cross-entropy from hidden states, without the full [tokens, vocab] fp32 logits at once.
 
-The sequence is cut into chunks along T; each chunk's logits are computed, reduced to
-per-token log-sum-exp and target logit, and dropped. `jax.checkpoint` on the chunk makes
+The sequence is cut into chunks along T; each chunk's logits are computed (an XLA matmul),
+reduced to per-token log-sum-exp and loss, and dropped. `jax.checkpoint` on the chunk makes
 the backward pass recompute them chunk by chunk too, so peak logits memory is one chunk.
+
+The row reduction (logits [M, V] -> loss and log-sum-exp per row) has named backends, in
+the order `auto` tries them:
+  quack      QuACK's CuTe-DSL cross-entropy kernels (package `quack-kernels`): one pass
+             for loss and log-sum-exp, one for the logits' gradient, on NVIDIA sm90/sm100
+             through `dispatch.torch_call`. UNVERIFIED ON GPU: the glue ran on CPU with a
+             torch stand-in for the kernels. `auto` passes it over (unmeasured against
+             XLA's fused reductions); name it with backend="quack" or
+             STENCIL_KERNELS=cross_entropy=quack. It needs whole vocabulary rows per device,
+             so it refuses logits sharded over `model`.
+  reference  XLA: logsumexp and the target logit, fp32. Always available; the ground truth.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
 
+from shared.kernels.dispatch import Backend, KernelError, choose, missing, not_nvidia_gpu, per_shard, spec, torch_call
+
 # Largest number of logits (batch * chunk * vocab) materialised at once, before sharding.
 MAX_LOGITS = 2**27
+
+
+class CrossEntropyError(KernelError):
+    """A cross-entropy backend cannot run this call."""
+
+
+@dataclass(frozen=True)
+class Call:
+    logits_shape: tuple  # one chunk's [B, c, V]
+    vocab_sharded: bool
 
 
 def _chunk_len(B, T, V, max_logits):
@@ -23,7 +48,94 @@ def _chunk_len(B, T, V, max_logits):
     return best
 
 
-def cross_entropy(hidden, w_out, targets, mask, *, max_logits=MAX_LOGITS):
+def _rows_reference(logits, targets):
+    """fp32 logits [..., V], targets [...] -> (loss = lse - target logit, lse), each [...]."""
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    hit = jnp.arange(logits.shape[-1]) == targets[..., None]
+    return lse - jnp.sum(jnp.where(hit, logits, 0.0), axis=-1), lse
+
+
+# ---------------------------------------------------------------- QuACK (CuTe DSL, torch)
+
+def _quack_torch_kernels():
+    """(fwd, bwd) on torch tensors, filling the outputs; the tests swap these for a torch stand-in."""
+    from quack import cross_entropy as qc
+
+    def fwd(x, target, loss, lse):
+        qc.cross_entropy_fwd_out(x, target, None, loss, lse, None, None)
+
+    def bwd(x, target, dloss, lse, dx):
+        qc.cross_entropy_bwd_out(x, target, dloss, lse, dx)
+
+    return fwd, bwd
+
+
+QUACK_KERNELS = None  # (fwd, bwd); None = quack.cross_entropy, loaded on first use
+
+
+def _quack_kernel(i):
+    return lambda *ts, **kw: (QUACK_KERNELS or _quack_torch_kernels())[i](*ts, **kw)
+
+
+@jax.custom_vjp
+def _rows_quack_local(logits, targets):
+    return _quack_fwd(logits, targets)[0]
+
+
+def _quack_call(logits, targets):
+    M = logits.shape[0]
+    outs = (jax.ShapeDtypeStruct((M,), jnp.float32),) * 2
+    return torch_call(_quack_kernel(0), outs, logits, targets.astype(jnp.int32))
+
+
+def _quack_fwd(logits, targets):
+    loss, lse = _quack_call(logits, targets)
+    return (loss, lse), (logits, targets, lse)
+
+
+def _quack_bwd(res, cts):
+    """d loss / d logits = softmax - onehot; d lse / d logits = softmax = (softmax - onehot) + onehot.
+    So one QuACK pass with per-row weight (g_loss + g_lse), plus g_lse at each row's target."""
+    logits, targets, lse = res
+    g_loss, g_lse = cts
+    dx = torch_call(_quack_kernel(1), (jax.ShapeDtypeStruct(logits.shape, logits.dtype),),
+                    logits, targets.astype(jnp.int32), (g_loss + g_lse).astype(jnp.float32), lse)[0]
+    dx = dx.at[jnp.arange(logits.shape[0]), targets].add(g_lse.astype(dx.dtype))
+    return dx, None
+
+
+_rows_quack_local.defvjp(_quack_fwd, _quack_bwd)
+
+
+def _rows_quack(logits, targets):
+    """[B, c, V] fp32 logits -> ([B, c], [B, c]), per device under a mesh."""
+    def local(lg, t):
+        loss, lse = _rows_quack_local(lg.reshape(-1, lg.shape[-1]), t.reshape(-1))
+        return loss.reshape(t.shape), lse.reshape(t.shape)
+
+    ls = spec(logits)
+    return per_shard(local, (logits, targets), (ls, ls[:2]), [ls[:2], ls[:2]])
+
+
+def _quack_unavailable():
+    return not_nvidia_gpu("QuACK cross-entropy", min_cc=(9, 0), max_cc=(10, 3)) or missing(
+        "torch", "tvm_ffi", "quack.cross_entropy")
+
+
+def _quack_refuses(c: Call):
+    if c.vocab_sharded:
+        return "QuACK cross-entropy needs whole vocabulary rows per device; the logits are sharded over the vocabulary"
+    return None
+
+
+BACKENDS: dict[str, Backend] = {
+    "quack": Backend("quack", _quack_unavailable, _quack_refuses, _rows_quack,
+                     lambda c: "not measured against XLA's fused reductions"),
+    "reference": Backend("reference", lambda: None, lambda c: None, _rows_reference),
+}
+
+
+def cross_entropy(hidden, w_out, targets, mask, *, max_logits=MAX_LOGITS, backend="auto"):
     """Summed next-token loss terms. hidden [B, T, D], w_out [D, V], targets/mask [B, T].
 
     Returns (nll_sum, lse_sq_sum): the masked sums of -log p(target) and of
@@ -33,6 +145,9 @@ def cross_entropy(hidden, w_out, targets, mask, *, max_logits=MAX_LOGITS):
     V = w_out.shape[1]
     c = _chunk_len(B, T, V, max_logits)
     n = T // c
+    call = Call((B, c, V), spec(w_out)[-1] is not None)
+    rows = choose("cross_entropy", BACKENDS, call, backend, error=CrossEntropyError,
+                  key=f"logits chunk {call.logits_shape}").run
 
     def split(x):  # [B, T, ...] -> [n, B, c, ...]
         return jnp.moveaxis(x.reshape(B, n, c, *x.shape[2:]), 1, 0)
@@ -41,12 +156,13 @@ def cross_entropy(hidden, w_out, targets, mask, *, max_logits=MAX_LOGITS):
     def chunk(carry, xs):
         h, t, m = xs
         logits = jnp.einsum("bcd,dv->bcv", h, w_out, preferred_element_type=jnp.float32)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        hit = jnp.arange(V) == t[..., None]
-        target_logit = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
+        loss, lse = rows(logits, t)
         nll, zsq = carry
-        return (nll + jnp.sum((lse - target_logit) * m), zsq + jnp.sum(lse**2 * m)), None
+        return (nll + jnp.sum(loss * m), zsq + jnp.sum(lse**2 * m)), None
 
     zero = jnp.zeros((), jnp.float32)
     (nll, zsq), _ = jax.lax.scan(chunk, (zero, zero), (split(hidden), split(targets), split(mask.astype(jnp.float32))))
     return nll, zsq
+
+
+__all__ = ["BACKENDS", "CrossEntropyError", "cross_entropy"]

@@ -76,7 +76,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
-from jax.sharding import PartitionSpec as P
+
+from shared.kernels.dispatch import named, per_shard, spec
 
 IMPLS = ("xla", "pallas", "pallas_interpret")
 PALLAS_BLOCK = 16  # sub-block of the Pallas kernel: tl.dot needs every dimension >= 16
@@ -86,19 +87,9 @@ class KDAError(ValueError):
     """A call `kda` cannot run as asked (shapes, chunk size, implementation)."""
 
 
-def _spec(x):
-    """The PartitionSpec of x under an explicit mesh (all None when there is no mesh)."""
-    spec = tuple(jax.typeof(x).sharding.spec) if not jax.sharding.get_abstract_mesh().empty else ()
-    return spec + (None,) * (x.ndim - len(spec))
-
-
-def _named(*spec):
-    return None if jax.sharding.get_abstract_mesh().empty else P(*spec)
-
-
 def _reshape(x, shape, lead: int):
     """Reshape keeping the sharding of the first `lead` axes; every other axis unsharded."""
-    return x.reshape(shape, out_sharding=_named(*_spec(x)[:lead], *([None] * (len(shape) - lead))))
+    return x.reshape(shape, out_sharding=named(*spec(x)[:lead], *([None] * (len(shape) - lead))))
 
 
 def _check(q, k, v, g, beta, initial_state, segment_ids, chunk_size, impl):
@@ -151,8 +142,8 @@ def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, segment_i
     f32 = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 0)  # noqa: E731 [T, B, ...]
     runs = _runs(segment_ids, B, T)
     start = jnp.concatenate([jnp.zeros((B, 1), bool), runs[:, 1:] != runs[:, :-1]], axis=1)
-    b, _, h, _ = _spec(q)
-    S0 = (jnp.zeros((B, H, K, V), jnp.float32, out_sharding=_named(b, h, None, None)) if initial_state is None
+    b, _, h, _ = spec(q)
+    S0 = (jnp.zeros((B, H, K, V), jnp.float32, out_sharding=named(b, h, None, None)) if initial_state is None
           else initial_state.astype(jnp.float32))
 
     def step(S, x):
@@ -232,7 +223,7 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None, c
     N = -(-T // C)
     Tp = N * C
     scale = K**-0.5 if scale is None else scale
-    b, _, h, _ = _spec(q)
+    b, _, h, _ = spec(q)
     f32 = jnp.float32
 
     def chunks(x):  # [B, T, H, ...] -> [B, H, N, C, ...] fp32, padded with zeros (no effect: beta = g = 0)
@@ -266,7 +257,7 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None, c
     Kout = jnp.exp(_after(gc)) * kc * keeps[..., None]  # k_s decayed to the chunk's end
     decay_all = jnp.exp(G[..., -1, :]) * carries  # [B, H, N, K]
 
-    S0 = (jnp.zeros((B, H, K, V), f32, out_sharding=_named(b, h, None, None)) if initial_state is None
+    S0 = (jnp.zeros((B, H, K, V), f32, out_sharding=named(b, h, None, None)) if initial_state is None
           else initial_state.astype(f32))
 
     def step(S, xs):
@@ -357,11 +348,8 @@ def _pallas_local(q, k, g, interpret):
 
 def _pairwise_pallas(q, k, g, interpret):
     """[B, H, N, C, K] -> two [B, H, N, C, C]; under a mesh, each device runs its own rows and heads."""
-    if jax.sharding.get_abstract_mesh().empty:
-        return _pallas_local(q, k, g, interpret)
-    spec = P(*_spec(q))
-    return jax.shard_map(functools.partial(_pallas_local, interpret=interpret), in_specs=(spec,) * 3,
-                         out_specs=(spec, spec))(q, k, g)
+    s = spec(q)
+    return per_shard(functools.partial(_pallas_local, interpret=interpret), (q, k, g), (s, s, s), [s, s])
 
 
 # ---------------------------------------------------------------- FLOPs

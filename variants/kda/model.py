@@ -227,9 +227,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 # ---------------------------------------------------------------- the network
 
 def rms_norm(x, w, eps):
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * w.astype(jnp.float32)).astype(x.dtype)
+    """RMSNorm over the last axis, fp32 statistics (shared/kernels/rms_norm.py: XLA, or QuACK on GPU)."""
+    return kernels.rms_norm(x, w, eps=eps)
 
 
 def positions(tokens, segment_ids):
@@ -268,15 +267,10 @@ def documents(segment_ids, B, T):
 def short_conv(x, w, docs):
     """Causal depthwise convolution over time: out_t = sum_j w[W-1-j] x_{t-j}, only over x of t's own document.
 
-    x [B, T, C], w [W, C] (the last tap weighs the current token), docs [B, T].
+    x [B, T, C], w [W, C] (the last tap weighs the current token), docs [B, T]
+    (shared/kernels/conv.py: XLA, or a Triton kernel on GPU).
     """
-    W, T = w.shape[0], x.shape[1]
-    out = x * w[W - 1]
-    for j in range(1, W):
-        shifted = jnp.pad(x, [(0, 0), (j, 0), (0, 0)])[:, :T]
-        same = jnp.pad(docs, [(0, 0), (j, 0)], constant_values=-1)[:, :T] == docs
-        out = out + jnp.where(same[..., None], shifted, 0) * w[W - 1 - j]
-    return out
+    return kernels.short_conv(x, w, docs)
 
 
 def l2_norm(x, eps=1e-6):

@@ -182,9 +182,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 # ---------------------------------------------------------------- the network
 
 def rms_norm(x, w, eps):
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * w.astype(jnp.float32)).astype(x.dtype)
+    """RMSNorm over the last axis, fp32 statistics (shared/kernels/rms_norm.py: XLA, or QuACK on GPU)."""
+    return kernels.rms_norm(x, w, eps=eps)
 
 
 def positions(tokens, segment_ids):

@@ -1,0 +1,188 @@
+"""The dispatch every kernel entry point shares: named backends, refusals, `auto`, one log line.
+
+A backend is four things: a name, `unavailable()` (None when it can run in this process,
+else the reason: wrong platform, package missing), `refuses(call)` (None when it can
+compute this call exactly, else the reason) and `run`. `auto_skip(call)` is optional: a
+reason why `auto` should not pick a backend that could run the call (it does not pay at
+this shape, or it has not been measured to pay); a backend named explicitly ignores it.
+
+`choose` picks a backend for one call. A backend named explicitly that is unavailable or
+refuses raises `KernelError` (or the op's subclass) saying why; `auto` takes the first
+backend in the registry's order that is available, does not refuse and is not skipped,
+and logs that choice once per (op, backend, call shape). There is never a silent fallback
+from a named backend.
+
+`STENCIL_KERNELS` (environment) names backends per op for the whole process, in place of
+"auto": `STENCIL_KERNELS=attention=pallas,rms_norm=quack`. A backend a config names
+explicitly still wins. This is how a backend that `auto` skips (unmeasured here) is tried
+without editing a variant.
+
+`torch_call` is the glue for kernels written for torch (FlashAttention-4, QuACK): XLA's own
+buffers are handed to a Python callback inside the compiled program, viewed as torch
+tensors without a copy, and the kernel writes the outputs in place on XLA's stream.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+log = logging.getLogger("stencil.kernels")
+
+
+class KernelError(ValueError):
+    """A kernel backend cannot run this call (unknown, unavailable, or a call it cannot express)."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    unavailable: Callable[[], str | None]  # None when usable here, else the reason
+    refuses: Callable[[object], str | None]  # None when it can express the call, else the reason
+    run: Callable
+    auto_skip: Callable[[object], str | None] = lambda call: None  # why `auto` passes it over, or None
+
+
+_logged: set = set()
+
+
+def forced(op: str) -> str | None:
+    """The backend STENCIL_KERNELS names for `op`, if any."""
+    for item in os.environ.get("STENCIL_KERNELS", "").split(","):
+        name, _, value = item.partition("=")
+        if name.strip() == op and value.strip():
+            return value.strip()
+    return None
+
+
+def choose(op: str, registry: dict, call, backend: str, *, error=KernelError, key=None) -> Backend:
+    """The backend that runs `call`: `backend` by name, or the first suitable one for "auto"."""
+    if backend == "auto":
+        backend = forced(op) or "auto"
+    if backend != "auto":
+        if backend not in registry:
+            raise error(f"unknown {op} backend {backend!r}; known: {sorted(registry)} or 'auto'")
+        b = registry[backend]
+        why = b.unavailable() or b.refuses(call)
+        if why:
+            raise error(f"{op} backend {backend!r} cannot run this call: {why}")
+        return b
+    skipped = []
+    for b in registry.values():
+        why = b.unavailable() or b.refuses(call) or b.auto_skip(call)
+        if why is None:
+            k = (op, b.name, call if key is None else key)
+            if k not in _logged:
+                _logged.add(k)
+                note = "; ".join(f"{n}: {w}" for n, w in skipped)
+                log.info("%s backend %s for %s%s", op, b.name, call if key is None else key,
+                         f" (skipped {note})" if note else "")
+            return b
+        skipped.append((b.name, why))
+    raise error(f"no {op} backend can run this call: {skipped}")
+
+
+# ---------------------------------------------------------------- helpers for backends
+
+@functools.cache
+def missing(*modules: str) -> str | None:
+    """None if every module imports, else which one does not and why (optional `kernels` extra).
+
+    Cached: a failed import is not retried on every call. Call it after the platform check,
+    so that a CPU process never imports torch.
+    """
+    for m in modules:
+        try:
+            importlib.import_module(m)
+        except Exception as e:  # ImportError, or a library that refuses to load without its GPU
+            return f"cannot import {m!r} ({type(e).__name__}: {e}); install the extra: pip install -e '.[kernels]'"
+    return None
+
+
+def not_nvidia_gpu(what: str, min_cc: tuple[int, int] | None = None, max_cc: tuple[int, int] | None = None):
+    """None on an NVIDIA GPU of a compute capability in [min_cc, max_cc], else the reason."""
+    if jax.default_backend() != "gpu":
+        return f"{what} needs an NVIDIA GPU; this process runs on {jax.default_backend()!r}"
+    dev = jax.devices()[0]
+    cc = getattr(dev, "compute_capability", None)  # "9.0" on CUDA devices; absent on ROCm
+    if cc is None:
+        return f"{what} needs an NVIDIA GPU; this device is {dev.device_kind!r}"
+    major, minor = (int(x) for x in str(cc).split(".")[:2])
+    if (min_cc and (major, minor) < min_cc) or (max_cc and (major, minor) > max_cc):
+        return (f"{what} needs compute capability {min_cc} to {max_cc}; "
+                f"this GPU ({dev.device_kind}) is {major}.{minor}")
+    return None
+
+
+def spec(x):
+    """The PartitionSpec of x under an explicit mesh, padded with None (all None without a mesh)."""
+    s = tuple(jax.typeof(x).sharding.spec) if not jax.sharding.get_abstract_mesh().empty else ()
+    return s + (None,) * (x.ndim - len(s))
+
+
+def named(*s):
+    """P(*s) under an explicit mesh, else None: for `out_sharding=` in code that also runs without a mesh."""
+    return None if jax.sharding.get_abstract_mesh().empty else P(*s)
+
+
+def per_shard(fn, args, in_specs, out_specs):
+    """Run `fn(*args)` on each device's shard under an explicit mesh (plain call without one).
+
+    For kernels (Pallas, FFI, callbacks) that take whole local arrays: `jax.shard_map` hands
+    each device its own block, so no gather happens. `None` entries of args pass through.
+    Specs are tuples of axis names (as `spec` gives them); `out_specs` is one such tuple for
+    one output, or a list of them for a tuple of outputs.
+    """
+    if jax.sharding.get_abstract_mesh().empty:
+        return fn(*args)
+    idx = [i for i, a in enumerate(args) if a is not None]
+
+    def inner(*xs):
+        full = list(args)
+        for i, x in zip(idx, xs):
+            full[i] = x
+        return fn(*full)
+
+    return jax.shard_map(inner, in_specs=tuple(P(*in_specs[i]) for i in idx),
+                         out_specs=tuple(P(*o) for o in out_specs) if isinstance(out_specs, list) else P(*out_specs),
+                         check_vma=False)(*[args[i] for i in idx])
+
+
+# ---------------------------------------------------------------- torch kernels inside a JAX program
+
+def torch_call(host, out_shapes, *args, opts: tuple = ()):
+    """Run `host(*inputs, *outputs, **dict(opts))` on torch views of XLA's buffers, in the compiled program.
+
+    `jax.experimental.buffer_callback` passes the callback XLA's device buffers (the inputs and
+    the outputs to fill) and XLA's CUDA stream. The buffers become torch tensors by DLPack
+    (zero copy); `host` must write every output in place. On a GPU the call runs with XLA's
+    stream as torch's current stream and as TVM-FFI's (CuTe-DSL kernels launch on it), so it
+    is ordered with the rest of the program and no data goes through the host. The cost is
+    one Python call per use, and such a program cannot be captured into a CUDA graph.
+    `out_shapes`: a tuple of jax.ShapeDtypeStruct; returns a tuple of arrays.
+    """
+    from jax.experimental.buffer_callback import buffer_callback
+
+    return buffer_callback(functools.partial(_torch_host, host, tuple(opts)), tuple(out_shapes))(*args)
+
+
+def _torch_host(host, opts, ctx, outs, *ins):
+    import torch
+
+    ts = [torch.from_dlpack(b) for b in (*ins, *outs)]
+    if ts and ts[0].device.type == "cuda":
+        import tvm_ffi
+
+        dev = ts[0].device
+        with torch.cuda.stream(torch.cuda.ExternalStream(ctx.stream, device=dev)), \
+                tvm_ffi.use_raw_stream(tvm_ffi.device(f"cuda:{dev.index}"), ctx.stream):
+            host(*ts, **dict(opts))
+    else:
+        host(*ts, **dict(opts))

@@ -1,0 +1,356 @@
+"""shared/kernels GPU backends, as far as a CPU machine can check them.
+
+- Dispatch: `auto` takes the reference on CPU for every op; a backend named explicitly (by
+  argument or STENCIL_KERNELS) that cannot run says why and never falls back; a backend
+  that cannot express a mask refuses.
+- Pallas attention: our kernels in interpret mode against the reference (forward and
+  gradients, every mask), also per device under a mesh; lowering for CUDA.
+- The torch glue (FlashAttention-4, QuACK RMSNorm and cross-entropy): run on CPU with torch
+  stand-ins in place of the GPU kernels, so the buffers, the in-place outputs, the custom
+  VJPs and the per-device split are checked; the kernels themselves need a GPU.
+- The Triton convolution kernels under Triton's interpreter (a subprocess).
+- The optional packages of the `kernels` extra import on a CPU machine.
+"""
+
+import importlib
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shared import kernels
+from shared.variant import ROOT
+
+A = importlib.import_module("shared.kernels.attention")
+CE = importlib.import_module("shared.kernels.cross_entropy")
+NORM = importlib.import_module("shared.kernels.rms_norm")
+CONV = importlib.import_module("shared.kernels.conv")
+PALLAS = importlib.import_module("shared.kernels.pallas_attention")
+
+
+def rand(rng, *shape, dtype=jnp.float32):
+    return jnp.asarray(rng.standard_normal(shape), dtype)
+
+
+def close(a, b, tol, what):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    err = np.max(np.abs(a - b)) / max(1.0, np.max(np.abs(b)))
+    assert err < tol, f"{what}: max error {err:.2e}"
+
+
+def mesh42():
+    return jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+
+
+# ---------------------------------------------------------------- dispatch
+
+def test_auto_takes_the_reference_on_cpu_for_every_op(monkeypatch):
+    monkeypatch.delenv("STENCIL_KERNELS", raising=False)
+    for op in kernels.REGISTRIES:
+        assert kernels.available_backends(op) == ["reference"], op
+    rng = np.random.default_rng(0)
+    x, w = rand(rng, 2, 5, 8), jnp.ones(8)
+    np.testing.assert_allclose(kernels.rms_norm(x, w, eps=1e-5), NORM.reference(x, w, eps=1e-5))
+    taps, docs = rand(rng, 4, 8), jnp.zeros((2, 5), jnp.int32)
+    np.testing.assert_allclose(kernels.short_conv(x, taps, docs), CONV.reference(x, taps, docs))
+
+
+@pytest.mark.parametrize("op,name,call", [
+    ("attention", "flash4", lambda b: kernels.attention(*(jnp.ones((1, 8, 2, 16), jnp.bfloat16),) * 3, backend=b)),
+    ("attention", "pallas", lambda b: kernels.attention(*(jnp.ones((1, 8, 2, 16)),) * 3, backend=b)),
+    ("rms_norm", "quack", lambda b: kernels.rms_norm(jnp.ones((2, 8)), jnp.ones(8), backend=b)),
+    ("cross_entropy", "quack", lambda b: kernels.cross_entropy(jnp.ones((1, 4, 8)), jnp.ones((8, 16)),
+                                                               jnp.zeros((1, 4), jnp.int32), jnp.ones((1, 4)), backend=b)),
+    ("short_conv", "triton", lambda b: kernels.short_conv(jnp.ones((1, 4, 8)), jnp.ones((4, 8)), backend=b)),
+])
+def test_named_gpu_backend_on_cpu_says_why(op, name, call, monkeypatch):
+    monkeypatch.delenv("STENCIL_KERNELS", raising=False)
+    with pytest.raises(kernels.KernelError, match=f"{op} backend '{name}' cannot run this call: .*NVIDIA GPU"):
+        call(name)
+    monkeypatch.setenv("STENCIL_KERNELS", f"{op}={name}")  # named for the whole process: the same error
+    with pytest.raises(kernels.KernelError, match=f"{op} backend '{name}' cannot run"):
+        call("auto")
+    monkeypatch.setenv("STENCIL_KERNELS", f"{op}=reference")
+    call("auto")
+    with pytest.raises(kernels.KernelError, match=f"unknown {op} backend 'nope'"):
+        call("nope")
+
+
+def test_kernel_backends_refuse_what_they_cannot_express(monkeypatch):
+    """Pretend each GPU backend is present: calls it cannot express are refused by name, never run."""
+    ran = []
+    for name in ("flash4", "pallas"):
+        b = A.BACKENDS[name]
+        monkeypatch.setitem(A.BACKENDS, name, A.Backend(name, lambda: None, b.refuses, lambda *a, **k: ran.append(1)))
+    q = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
+    seg = jnp.ones((1, 8), jnp.int32)
+    with pytest.raises(kernels.AttentionError, match="flash4.*no segment ids"):
+        kernels.attention(q, q, q, segment_ids=seg, backend="flash4")
+    with pytest.raises(kernels.AttentionError, match="flash4.*head_dim"):
+        kernels.attention(*(jnp.ones((1, 8, 2, 256), jnp.bfloat16),) * 3, backend="flash4")
+    with pytest.raises(kernels.AttentionError, match="pallas.*can leave a query no key"):
+        kernels.attention(q, jnp.ones((1, 12, 2, 16), jnp.bfloat16), jnp.ones((1, 12, 2, 16), jnp.bfloat16),
+                          causal=False, window=2, backend="pallas")
+    assert not ran
+    # auto passes over a backend that refuses (flash4: segment ids) and takes the next one that can
+    kernels.attention(q, q, q, segment_ids=seg)
+    assert ran == [1]
+    for registry, name in ((CE.BACKENDS, "quack"), (NORM.BACKENDS, "quack"), (CONV.BACKENDS, "triton")):
+        b = registry[name]
+        monkeypatch.setitem(registry, name, b.__class__(name, lambda: None, b.refuses, lambda *a, **k: ran.append(2)))
+    m = mesh42()
+    with jax.set_mesh(m):
+        put = lambda x, *s: jax.device_put(x, NamedSharding(m, P(*s)))  # noqa: E731
+        with pytest.raises(kernels.CrossEntropyError, match="whole vocabulary rows"):
+            kernels.cross_entropy(put(jnp.ones((4, 4, 8)), "data"), put(jnp.ones((8, 16)), None, "model"),
+                                  put(jnp.zeros((4, 4), jnp.int32), "data"), put(jnp.ones((4, 4)), "data"),
+                                  backend="quack")
+        with pytest.raises(kernels.NormError, match="whole rows"):
+            kernels.rms_norm(put(jnp.ones((4, 8)), "data", "model"), jnp.ones(8), backend="quack")
+        with pytest.raises(kernels.ConvError, match="whole rows in time"):
+            kernels.short_conv(put(jnp.ones((4, 8, 4)), "data", "model"), jnp.ones((4, 4)), backend="triton")
+    assert ran == [1]
+
+
+# ---------------------------------------------------------------- Pallas attention
+
+PALLAS_CASES = [  # B, T, H, Hkv, D, causal, window, segments, softcap
+    (2, 40, 4, 2, 16, True, None, False, 0.0),  # T not a multiple of the block; GQA
+    (1, 64, 2, 2, 32, True, 10, True, 0.0),     # window + packed documents
+    (1, 48, 4, 1, 24, True, None, True, 5.0),   # MQA, head_dim padded to 32, soft-capping
+    (2, 32, 2, 2, 16, False, None, True, 0.0),  # non-causal with documents
+]
+
+
+@pytest.mark.parametrize("B,T,H,Hkv,D,causal,window,segments,softcap", PALLAS_CASES)
+def test_pallas_attention_matches_reference(B, T, H, Hkv, D, causal, window, segments, softcap):
+    rng = np.random.default_rng(T + H)
+    q, k, v = rand(rng, B, T, H, D), rand(rng, B, T, Hkv, D), rand(rng, B, T, Hkv, D)
+    seg = jnp.asarray(np.sort(rng.integers(0, 3, (B, T)), axis=1), jnp.int32) if segments else None
+    ct = rand(rng, B, T, H, D)
+    kw = dict(segment_ids=seg, causal=causal, window=window, softcap=softcap)
+
+    def loss(fn):
+        return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v) * ct), (0, 1, 2)))
+
+    got = loss(lambda q, k, v: PALLAS.attention(q, k, v, block=16, interpret=True, **kw))(q, k, v)
+    want = loss(lambda q, k, v: A.reference(q, k, v, **kw))(q, k, v)
+    close(got[0], want[0], 1e-5, "loss")
+    for name, a, b in zip("qkv", got[1], want[1]):
+        close(a, b, 1e-4, f"d{name}")
+
+
+def test_pallas_attention_runs_per_device_under_a_mesh():
+    """Batch over `data`, heads over `model`: each device runs the kernel on its own block."""
+    rng = np.random.default_rng(3)
+    B, T, H, Hkv, D = 4, 32, 4, 2, 16
+    q, k, v = rand(rng, B, T, H, D), rand(rng, B, T, Hkv, D), rand(rng, B, T, Hkv, D)
+    seg = jnp.asarray(np.sort(rng.integers(0, 2, (B, T)), axis=1), jnp.int32)
+    want = A.reference(q, k, v, segment_ids=seg, window=8)
+    m = mesh42()
+    with jax.set_mesh(m):
+        heads = NamedSharding(m, P("data", None, "model", None))
+        args = [jax.device_put(x, heads) for x in (q, k, v)]
+        got = jax.jit(lambda q, k, v, s: A._pallas(q, k, v, segment_ids=s, window=8, interpret=True))(
+            *args, jax.device_put(seg, NamedSharding(m, P("data", None))))
+    close(got, want, 1e-5, "sharded pallas attention")
+
+
+def test_pallas_attention_lowers_for_cuda():
+    x = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 256, 2, 64), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((2, 256), jnp.int32)
+    f = jax.grad(lambda q, k, v, s: jnp.sum(PALLAS.attention(q, k, v, segment_ids=s, window=64, softcap=30.0)
+                                            .astype(jnp.float32)), (0, 1, 2))
+    text = jax.jit(f).trace(x, kv, kv, seg).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 3, "expected the forward, dQ and dK/dV Triton kernels"
+
+
+# ---------------------------------------------------------------- torch glue with stand-ins
+
+@pytest.fixture
+def torch():
+    return pytest.importorskip("torch", reason="torch is not installed (the `kernels` extra brings it)")
+
+
+def _torch_attention(torch, q, k, v, scale, causal, softcap, window_left):
+    G = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(G, dim=2), v.repeat_interleave(G, dim=2)
+    s = torch.einsum("bthd,bshd->bhts", q, k) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    T = q.shape[1]
+    t, u = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    ok = torch.ones(T, T, dtype=torch.bool)
+    if causal:
+        ok &= u <= t
+    if window_left is not None:
+        ok &= t - u <= window_left
+    s = s.masked_fill(~ok, float("-inf"))
+    return torch.einsum("bhts,bshd->bthd", torch.softmax(s, -1), v), torch.logsumexp(s, -1)
+
+
+def test_flash4_glue_with_a_torch_stand_in(torch, monkeypatch):
+    def fwd(q, k, v, out, lse, *, scale, causal, softcap, window_left):
+        o, l = _torch_attention(torch, q, k, v, scale, causal, softcap, window_left)
+        out.copy_(o)
+        lse.copy_(l)
+
+    def bwd(q, k, v, out, dout, lse, dq, dk, dv, *, scale, causal, softcap, window_left):
+        leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+        o, _ = _torch_attention(torch, *leaves, scale, causal, softcap, window_left)
+        for g, d in zip(torch.autograd.grad(o, leaves, dout), (dq, dk, dv)):
+            d.copy_(g)
+
+    monkeypatch.setattr(A, "FA4_KERNELS", (fwd, bwd))
+    rng = np.random.default_rng(0)
+    q, k, v, ct = rand(rng, 2, 24, 4, 16), rand(rng, 2, 24, 2, 16), rand(rng, 2, 24, 2, 16), rand(rng, 2, 24, 4, 16)
+    for kw in (dict(causal=True), dict(causal=True, window=5, softcap=3.0)):
+        def loss(fn):
+            return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v) * ct), (0, 1, 2)))
+        got = loss(lambda q, k, v: A._flash4(q, k, v, **kw))(q, k, v)
+        want = loss(lambda q, k, v: A.reference(q, k, v, **kw))(q, k, v)
+        close(got[0], want[0], 1e-5, f"{kw} loss")
+        for name, a, b in zip("qkv", got[1], want[1]):
+            close(a, b, 1e-4, f"{kw} d{name}")
+
+
+def test_quack_rms_norm_glue_with_a_torch_stand_in(torch, monkeypatch):
+    def ref(x, w, eps):
+        rstd = torch.rsqrt((x.float() ** 2).mean(-1) + eps)
+        return (x.float() * rstd[:, None] * w.float()).to(x.dtype), rstd
+
+    def fwd(x, w, out, rstd, *, eps):
+        o, r = ref(x, w, eps)
+        out.copy_(o)
+        rstd.copy_(r)
+
+    def bwd(x, w, dout, rstd, dx, dw):
+        xl, wl = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+        gx, gw = torch.autograd.grad(ref(xl, wl, 1e-5)[0], (xl, wl), dout)
+        dx.copy_(gx)
+        dw.copy_(gw)
+
+    monkeypatch.setattr(NORM, "QUACK_KERNELS", (fwd, bwd))
+    rng = np.random.default_rng(1)
+    x, w, ct = rand(rng, 4, 6, 16), 1 + 0.1 * rand(rng, 16), rand(rng, 4, 6, 16)
+
+    def grads(fn):
+        return jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(fn(x, w) * ct), (0, 1)))
+
+    want = grads(lambda x, w: NORM.reference(x, w, eps=1e-5))(x, w)
+    got = grads(lambda x, w: NORM._quack(x, w, eps=1e-5))(x, w)
+    m = mesh42()
+    with jax.set_mesh(m):  # rows over `data`: w's gradient must be summed over the 4 row shards
+        xs = jax.device_put(x, NamedSharding(m, P("data", None, None)))
+        sharded = grads(lambda x, w: NORM._quack(x, w, eps=1e-5))(xs, jax.device_put(w, NamedSharding(m, P())))
+    for g in (got, sharded):
+        close(g[0], want[0], 1e-5, "value")
+        close(g[1][0], want[1][0], 1e-5, "dx")
+        close(g[1][1], want[1][1], 1e-5, "dw")
+
+
+def test_quack_cross_entropy_glue_with_a_torch_stand_in(torch, monkeypatch):
+    def fwd(x, target, loss, lse):
+        lse.copy_(torch.logsumexp(x, -1))
+        loss.copy_(lse - x.gather(1, target.long()[:, None])[:, 0])
+
+    def bwd(x, target, dloss, lse, dx):
+        p = torch.softmax(x, -1)
+        p[torch.arange(x.shape[0]), target.long()] -= 1
+        dx.copy_(dloss[:, None] * p)
+
+    monkeypatch.setattr(CE, "QUACK_KERNELS", (fwd, bwd))
+    rng = np.random.default_rng(2)
+    B, T, D, V = 2, 12, 16, 50
+    h, w = rand(rng, B, T, D), 0.3 * rand(rng, D, V)
+    t = jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)
+    m = jnp.asarray(rng.random((B, T)) > 0.2, jnp.float32)
+
+    def total(h, w, backend):
+        nll, zsq = kernels.cross_entropy(h, w, t, m, max_logits=B * 4 * V, backend=backend)
+        return nll + 0.1 * zsq  # both outputs carry gradient: the z-loss path is checked too
+
+    monkeypatch.setitem(CE.BACKENDS, "quack", CE.Backend("quack", lambda: None, CE._quack_refuses, CE._rows_quack))
+    got = jax.jit(jax.value_and_grad(lambda h, w: total(h, w, "quack"), (0, 1)))(h, w)
+    want = jax.jit(jax.value_and_grad(lambda h, w: total(h, w, "reference"), (0, 1)))(h, w)
+    close(got[0], want[0], 1e-5, "loss")
+    close(got[1][0], want[1][0], 1e-5, "dh")
+    close(got[1][1], want[1][1], 1e-5, "dw")
+
+
+# ---------------------------------------------------------------- Triton convolution (interpreter)
+
+TRITON_CHECK = r"""
+import os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, sys.argv[1])
+import jax, jax.numpy as jnp, numpy as np, torch
+from shared.kernels import triton_conv as tc
+from shared.kernels.conv import reference
+B, T, C, W, BT, BC = 2, 37, 70, 4, 16, 32
+rng = np.random.default_rng(0)
+x, w, dout = (rng.standard_normal(s).astype(np.float32) for s in ((B, T, C), (W, C), (B, T, C)))
+docs = np.sort(rng.integers(0, 3, (B, T)), axis=1).astype(np.int32)
+NT, NC = -(-T // BT), -(-C // BC)
+out, dx, parts = torch.zeros(B, T, C), torch.zeros(B, T, C), torch.zeros(B, NT, W, C)
+args = [torch.tensor(a) for a in (x, w, docs)]
+tc.conv_fwd[(B, NT, NC)](*args, out, T=T, C=C, W=W, BLOCK_T=BT, BLOCK_C=BC)
+tc.conv_bwd[(B, NT, NC)](*args, torch.tensor(dout), dx, parts, T=T, C=C, NT=NT, W=W, BLOCK_T=BT, BLOCK_C=BC)
+y, vjp = jax.vjp(lambda x, w: reference(x, w, jnp.asarray(docs)), jnp.asarray(x), jnp.asarray(w))
+gx, gw = vjp(jnp.asarray(dout))
+errs = [np.abs(out.numpy() - np.asarray(y)).max(), np.abs(dx.numpy() - np.asarray(gx)).max(),
+        np.abs(parts.sum((0, 1)).numpy() - np.asarray(gw)).max()]
+print("errors", errs)
+assert max(errs) < 1e-4, errs
+"""
+
+
+def test_triton_conv_kernels_match_reference_in_the_interpreter(torch):
+    pytest.importorskip("triton", reason="triton is not installed (the `kernels` extra brings it)")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    r = subprocess.run([sys.executable, "-c", TRITON_CHECK, ROOT], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- the `kernels` extra
+
+@pytest.mark.parametrize("module", ["torch", "tvm_ffi", "cutlass", "flash_attn.cute", "quack.rmsnorm",
+                                    "quack.cross_entropy", "triton", "jax_triton"])
+def test_kernels_extra_imports_on_cpu(module):
+    """Each optional package imports in a CPU environment, or the test says why it cannot here."""
+    try:
+        importlib.import_module(module.split(".")[0])
+    except ModuleNotFoundError:
+        pytest.skip(f"{module}: the `kernels` extra is not installed here (pip install torch==<cpu build>; "
+                    "pip install -e '.[kernels]')")
+    except ImportError as e:
+        if "GPU" in str(e) or "CUDA" in str(e) or "cuda" in str(e):
+            pytest.skip(f"{module} cannot import without a GPU: {str(e).splitlines()[0]}")
+        raise
+    importlib.import_module(module)
+
+
+# ---------------------------------------------------------------- the self-check
+
+def test_selfcheck_reports_every_backend_and_flags_a_wrong_one(monkeypatch):
+    import io
+
+    from shared.kernels import selfcheck
+
+    out = io.StringIO()
+    assert selfcheck.run(quick=True, repeats=1, ops=("rms_norm", "short_conv"), out=out) == 0, out.getvalue()
+    text = out.getvalue()
+    assert "rms_norm" in text and "short_conv" in text and "GB/s" in text and "all backends within tolerance" in text
+    # a backend that is 1% off must be caught
+    wrong = NORM.Backend("wrong", lambda: None, lambda c: None, lambda x, w, eps: NORM.reference(x, w, eps=eps) * 1.01)
+    monkeypatch.setitem(NORM.BACKENDS, "wrong", wrong)
+    out = io.StringIO()
+    assert selfcheck.run(quick=True, repeats=1, ops=("rms_norm",), out=out) == 1
+    assert "wrong" in out.getvalue() and "over tolerance" in out.getvalue()
