@@ -1,5 +1,8 @@
 """Run metrics: a JSONL file always, Weights & Biases when possible, and a progress bar.
 
+The run directory gets metrics.jsonl (one JSON object per logged step; NaN/inf as
+strings) and config.json (the run's config, for tools such as tools/compare_runs.py).
+
 wandb mode "auto": online when the user is logged in (WANDB_API_KEY, or `wandb login`'s
 entry in ~/.netrc), otherwise offline with a one-line notice (sync later with
 `wandb sync <run_dir>/wandb`). "disabled" turns it off (the tests do). Only process 0
@@ -34,6 +37,20 @@ def _plain(v):
     return v
 
 
+def write_config(run_dir: str, config: dict) -> str:
+    """Write `config` as run_dir/config.json (atomically: a temp file, then os.replace).
+
+    tools/compare_runs.py reads batch_size and seq_len from it to put tokens on an axis.
+    A resumed run rewrites it with the config it resumed with."""
+    path = os.path.join(run_dir, "config.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(config, f, indent=2, default=str)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path
+
+
 class Logger:
     def __init__(self, run_dir: str, config: dict, *, total_steps: int, wandb_mode: str = "auto",
                  project: str = "stencil", name: str | None = None, start_step: int = 0,
@@ -46,6 +63,7 @@ class Logger:
         if wandb_mode not in ("auto", "online", "offline", "disabled"):
             raise ValueError(f"wandb mode must be auto, online, offline or disabled, got {wandb_mode!r}")
         os.makedirs(run_dir, exist_ok=True)
+        write_config(run_dir, config)
         self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         mode = wandb_mode
         if mode == "auto":

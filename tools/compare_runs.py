@@ -1,0 +1,353 @@
+#!/usr/bin/env python3
+"""Compare training runs: loss curves in one picture and a Markdown summary table.
+
+Each RUN is a run directory written by a variant's train.py (e.g. runs/dense-20261203-101010/).
+From its metrics.jsonl (one JSON object per logged step; NaN/inf written as strings; after a
+resume a step can appear twice, and the last row for a step wins) this writes:
+
+    OUT/loss.png    two panels: train loss (solid) and val loss (dashed, with markers)
+                    against optimizer step (left) and against tokens seen (right), one
+                    colour per run
+    OUT/summary.md  one row per run: last step, final train loss, final and best val loss,
+                    median tokens/s and MFU, total tokens, parameter count when known
+
+Tokens seen at step s = s * batch_size * seq_len, read from RUN/config.json (written by
+shared/metrics.py's Logger) or, when that is missing, from the newest
+RUN/checkpoints/step_*/metadata.json. A run with neither is plotted against step only, and
+summary.md and stderr say so. The parameter count comes from the newest checkpoint's leaf
+shapes (the `params.*` leaves), so it is known only for runs with a checkpoint.
+
+Importable without side effects (matplotlib is imported only when plotting):
+`compare(runs, out, labels)` returns {"png", "md", "runs": [per-run summary dicts]};
+`load_run`, `plot` (returns the matplotlib Figure) and `summarize` are its parts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import statistics
+import sys
+
+EXAMPLES = """\
+examples:
+  python tools/compare_runs.py /tmp/runs/dense /tmp/runs/my_idea --out /tmp/cmp-my_idea
+  python tools/compare_runs.py runs/dense-A runs/dense-B --out /tmp/cmp --labels lr3e-3,lr1e-3
+
+Writes OUT/loss.png (train loss solid, val loss dashed, against optimizer step and
+against tokens seen = step x batch_size x seq_len, from RUN/config.json or the newest
+checkpoint's metadata.json) and OUT/summary.md (final/best loss, median tokens/s and MFU),
+and prints their paths. Labels default to each run directory's basename (parent/basename
+where two basenames are the same). Where a step was logged twice (a resume), the last
+row wins.
+
+exit status: 0 = written; 2 = a run directory that does not exist, has no metrics.jsonl,
+or has a line that is not a JSON object with an integer "step" (also bad --labels).
+"""
+
+_STEP_DIR = re.compile(r"^step_(\d{8})$")  # as in shared/checkpoint.py
+PNG, MD = "loss.png", "summary.md"
+TOKENS_NOTE = ("Tokens seen at step s = s × batch_size × seq_len (rows per optimizer step × tokens per row), "
+               "from each run's config.json, or its newest checkpoint's metadata.json when config.json is missing.")
+
+
+class RunError(Exception):
+    """A run directory that cannot be read; str() is `<path>: <cause>`."""
+
+
+@dataclasses.dataclass
+class Run:
+    label: str
+    path: str
+    steps: list[int]  # logged steps, ascending, one per step (the last row for a step wins)
+    loss: list[float]  # train loss at each step (NaN where missing or not finite)
+    val_steps: list[int]  # the steps that have a val_loss
+    val_loss: list[float]
+    tokens_per_s: list[float]  # finite values only
+    mfu: list[float]  # finite values only
+    tokens_per_step: int | None  # batch_size * seq_len; None when no config was found
+    config_source: str | None  # the file batch_size/seq_len came from
+    params: int | None  # parameter count from the newest checkpoint's leaves
+
+    def tokens(self, steps: list[int]) -> list[int] | None:
+        return None if self.tokens_per_step is None else [s * self.tokens_per_step for s in steps]
+
+
+# ---------------------------------------------------------------- reading a run
+
+def _float(v) -> float:
+    """A logged number: floats, ints, or the strings "nan"/"inf" the Logger writes; else NaN."""
+    if isinstance(v, bool):
+        return math.nan
+    if isinstance(v, (int, float)):
+        return float(v)
+    if isinstance(v, str):
+        try:
+            return float(v)
+        except ValueError:
+            return math.nan
+    return math.nan
+
+
+def read_metrics(path: str) -> list[dict]:
+    """The rows of a metrics.jsonl, one per step (the last row for a step wins), by step."""
+    rows: dict[int, dict] = {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError as e:
+                    raise RunError(f"{path}: line {n} is not valid JSON ({e})") from None
+                if not isinstance(row, dict) or isinstance(row.get("step"), bool) or not isinstance(row.get("step"), int):
+                    raise RunError(f"{path}: line {n} is not a JSON object with an integer \"step\"")
+                rows[row["step"]] = row
+    except UnicodeDecodeError as e:
+        raise RunError(f"{path}: not UTF-8 text ({e})") from None
+    except OSError as e:
+        raise RunError(f"{path}: cannot read ({e.strerror or e})") from None
+    return [rows[s] for s in sorted(rows)]
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except (OSError, ValueError) as e:
+        raise RunError(f"{path}: cannot read JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise RunError(f"{path}: not a JSON object")
+    return d
+
+
+def newest_checkpoint_metadata(run_dir: str) -> str | None:
+    """RUN/checkpoints/step_XXXXXXXX/metadata.json of the newest complete checkpoint, if any."""
+    ckpts = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(ckpts):
+        return None
+    found = sorted(d for d in os.listdir(ckpts)
+                   if _STEP_DIR.match(d) and os.path.isfile(os.path.join(ckpts, d, "metadata.json")))
+    return os.path.join(ckpts, found[-1], "metadata.json") if found else None
+
+
+def _tokens_per_step(config: dict) -> int | None:
+    b, t = config.get("batch_size"), config.get("seq_len")
+    if isinstance(b, int) and isinstance(t, int) and not isinstance(b, bool) and not isinstance(t, bool):
+        return b * t
+    return None
+
+
+def load_run(path: str, label: str) -> Run:
+    """Read a run directory. Raises RunError for a missing directory or metrics.jsonl, or a bad line."""
+    if not os.path.exists(path):
+        raise RunError(f"{path}: no such run directory")
+    if not os.path.isdir(path):
+        raise RunError(f"{path}: not a directory")
+    mpath = os.path.join(path, "metrics.jsonl")
+    if not os.path.isfile(mpath):
+        raise RunError(f"{mpath}: no such file (is {path} a run directory?)")
+    rows = read_metrics(mpath)
+
+    meta_path = newest_checkpoint_metadata(path)
+    meta = _read_json(meta_path) if meta_path else None
+    cpath = os.path.join(path, "config.json")
+    tokens_per_step, source = None, None
+    if os.path.isfile(cpath):
+        tokens_per_step, source = _tokens_per_step(_read_json(cpath)), cpath
+    elif meta is not None and isinstance(meta.get("config"), dict):
+        tokens_per_step, source = _tokens_per_step(meta["config"]), meta_path
+    if tokens_per_step is None:
+        source = None
+
+    params = None
+    if meta is not None and isinstance(meta.get("leaves"), dict):
+        shapes = [v.get("shape") for k, v in meta["leaves"].items() if k.startswith("params.") and isinstance(v, dict)]
+        if shapes and all(isinstance(s, list) for s in shapes):
+            params = sum(math.prod(s) for s in shapes)
+
+    def finite(key):
+        return [x for x in (_float(r.get(key)) for r in rows) if math.isfinite(x)]
+
+    val = [r for r in rows if "val_loss" in r]
+    return Run(label=label, path=path, steps=[r["step"] for r in rows], loss=[_float(r.get("loss")) for r in rows],
+               val_steps=[r["step"] for r in val], val_loss=[_float(r["val_loss"]) for r in val],
+               tokens_per_s=finite("tokens_per_s"), mfu=finite("mfu"),
+               tokens_per_step=tokens_per_step, config_source=source, params=params)
+
+
+def default_labels(paths: list[str]) -> list[str]:
+    """Basenames; parent/basename for the runs whose basename is shared; made unique if still equal."""
+    norm = [os.path.normpath(os.path.abspath(p)) for p in paths]
+    base = [os.path.basename(p) for p in norm]
+    labels = [os.path.join(os.path.basename(os.path.dirname(p)), b) if base.count(b) > 1 else b
+              for p, b in zip(norm, base)]
+    out = []
+    for i, lab in enumerate(labels):
+        out.append(lab if labels.count(lab) == 1 else f"{lab} #{labels[:i + 1].count(lab)}")
+    return out
+
+
+# ---------------------------------------------------------------- the picture and the table
+
+def _plot_y(values: list[float]) -> list[float]:
+    return [v if math.isfinite(v) else math.nan for v in values]  # inf breaks autoscaling; NaN leaves a gap
+
+
+def plot(runs: list[Run]):
+    """The two-panel matplotlib Figure (Agg canvas, no pyplot state). Lines carry labels
+    "<run label> train" and "<run label> val"; the right panel holds only runs with tokens."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import EngFormatter, MaxNLocator
+
+    fig = Figure(figsize=(13, 5), layout="constrained")
+    FigureCanvasAgg(fig)
+    by_step, by_tokens = fig.subplots(1, 2)
+    missing = []
+    for i, run in enumerate(runs):
+        colour = f"C{i % 10}"
+        panels = [(by_step, run.steps, run.val_steps)]
+        if run.tokens_per_step is None:
+            missing.append(run.label)
+        else:
+            panels.append((by_tokens, run.tokens(run.steps), run.tokens(run.val_steps)))
+        for ax, x, vx in panels:
+            ax.plot(x, _plot_y(run.loss), "-", color=colour, linewidth=1.5, label=f"{run.label} train")
+            if run.val_steps:
+                ax.plot(vx, _plot_y(run.val_loss), "--o", color=colour, linewidth=1.2, markersize=4,
+                        label=f"{run.label} val")
+    by_step.set(title="loss against optimizer step", xlabel="optimizer step", ylabel="loss (cross-entropy, nats)")
+    by_tokens.set(title="loss against tokens seen", xlabel="tokens seen (step × batch_size × seq_len)",
+                  ylabel="loss (cross-entropy, nats)")
+    by_step.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
+    by_tokens.xaxis.set_major_formatter(EngFormatter())
+    if missing:
+        by_tokens.text(0.02, 0.02, "no batch_size/seq_len (no config.json or checkpoint) for: " + ", ".join(missing),
+                       transform=by_tokens.transAxes, fontsize=8, color="0.3", va="bottom")
+    for ax in (by_step, by_tokens):
+        ax.grid(True, alpha=0.3)
+    by_step.legend(loc="upper right", fontsize=8)
+    fig.suptitle("train loss (solid) and val loss (dashed)")
+    return fig
+
+
+def summarize(run: Run) -> dict:
+    """One run's numbers, as in a summary.md row (None where unknown)."""
+    finite_val = [(v, s) for v, s in zip(run.val_loss, run.val_steps) if math.isfinite(v)]
+    best = min(finite_val) if finite_val else None
+    last = run.steps[-1] if run.steps else None
+    return {
+        "label": run.label,
+        "run_dir": run.path,
+        "last_step": last,
+        "final_loss": run.loss[-1] if run.loss else None,
+        "final_val_loss": run.val_loss[-1] if run.val_loss else None,
+        "best_val_loss": best[0] if best else None,
+        "best_val_step": best[1] if best else None,
+        "median_tokens_per_s": statistics.median(run.tokens_per_s) if run.tokens_per_s else None,
+        "median_mfu": statistics.median(run.mfu) if run.mfu else None,
+        "tokens_per_step": run.tokens_per_step,
+        "total_tokens": last * run.tokens_per_step if last is not None and run.tokens_per_step is not None else None,
+        "params": run.params,
+        "config_source": run.config_source,
+    }
+
+
+def _cell(v, fmt: str = "{}") -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return fmt.format(v).replace("|", "\\|")
+
+
+def _params(n: int | None) -> str:
+    if n is None:
+        return "–"
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
+
+
+def summary_markdown(summaries: list[dict]) -> str:
+    head = ["run", "run dir", "last step", "final loss", "final val loss", "best val loss (step)",
+            "median tokens/s", "median MFU", "total tokens", "params"]
+    lines = ["# Run comparison", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in summaries:
+        best = "–" if s["best_val_loss"] is None else f"{s['best_val_loss']:.4f} ({s['best_val_step']})"
+        cells = [_cell(s["label"]), _cell(s["run_dir"], "`{}`"), _cell(s["last_step"]), _cell(s["final_loss"], "{:.4f}"),
+                 _cell(s["final_val_loss"], "{:.4f}"), best, _cell(s["median_tokens_per_s"], "{:,.0f}"),
+                 _cell(s["median_mfu"], "{:.2%}"), _cell(s["total_tokens"], "{:,}"),
+                 _params(s["params"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", TOKENS_NOTE,
+              "Medians are over the logged rows whose value is not NaN. Params come from the newest checkpoint's "
+              "`params.*` leaf shapes (– without a checkpoint)."]
+    for s in summaries:
+        if s["tokens_per_step"] is None:
+            lines.append(f"- **{s['label']}**: no config.json or checkpoint metadata with batch_size and seq_len in "
+                         f"`{s['run_dir']}`; the tokens axis is missing for this run (plotted against step only).")
+    return "\n".join(lines) + "\n"
+
+
+def compare(runs: list[str], out: str, labels: list[str] | None = None) -> dict:
+    """Read `runs`, write OUT/loss.png and OUT/summary.md. Returns {"png", "md", "runs": [summaries]}.
+
+    Raises RunError for an unreadable run, ValueError for labels that do not match the runs."""
+    if not runs:
+        raise ValueError("no runs given")
+    if labels is None:
+        labels = default_labels(runs)
+    if len(labels) != len(runs):
+        raise ValueError(f"{len(labels)} labels for {len(runs)} runs")
+    loaded = [load_run(p, lab) for p, lab in zip(runs, labels)]
+    for r in loaded:
+        if r.tokens_per_step is None:
+            print(f"warning: {r.path}: no config.json or checkpoint metadata with batch_size and seq_len; "
+                  "the tokens axis is missing for this run", file=sys.stderr)
+    os.makedirs(out, exist_ok=True)
+    png, md = os.path.join(out, PNG), os.path.join(out, MD)
+    fig = plot(loaded)
+    fig.savefig(png, dpi=110)
+    summaries = [summarize(r) for r in loaded]
+    with open(md, "w", encoding="utf-8") as f:
+        f.write(summary_markdown(summaries))
+    return {"png": png, "md": md, "runs": summaries}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="compare_runs.py", description=__doc__.split("\n\n")[0],
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", metavar="RUN", help="run directory holding metrics.jsonl (from a train.py)")
+    ap.add_argument("--out", required=True, metavar="DIR", help="folder for loss.png and summary.md (created)")
+    ap.add_argument("--labels", metavar="A,B,...", help="comma-separated legend labels, one per RUN")
+    args = ap.parse_args(argv)
+    labels = None
+    if args.labels is not None:
+        labels = [s.strip() for s in args.labels.split(",")]
+        if len(labels) != len(args.runs):
+            print(f"error: --labels: {len(labels)} labels for {len(args.runs)} runs", file=sys.stderr)
+            return 2
+    try:
+        result = compare(args.runs, args.out, labels)
+    except RunError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:
+        print(f"error: matplotlib is needed for the picture ({e}); pip install -e '.[tools]'", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: {e.filename or args.out}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    print(f"wrote {result['png']}")
+    print(f"wrote {result['md']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
