@@ -1,8 +1,10 @@
 """Cross-entropy from hidden states, without the full [tokens, vocab] fp32 logits at once.
 
 The sequence is cut into chunks along T; each chunk's logits are computed (an XLA matmul),
-reduced to per-token log-sum-exp and loss, and dropped. `jax.checkpoint` on the chunk makes
-the backward pass recompute them chunk by chunk too, so peak logits memory is one chunk.
+reduced to per-token log-sum-exp and loss, and dropped. With more than one chunk,
+`jax.checkpoint` on the chunk makes the backward pass recompute them chunk by chunk too, so
+peak logits memory is one chunk. When the whole sequence fits in one chunk there is nothing
+to save by recomputing, so the logits are kept for the backward pass (no second matmul).
 
 The row reduction (logits [M, V] -> loss and log-sum-exp per row) has named backends, in
 the order `auto` tries them:
@@ -49,10 +51,20 @@ def _chunk_len(B, T, V, max_logits):
 
 
 def _rows_reference(logits, targets):
-    """fp32 logits [..., V], targets [...] -> (loss = lse - target logit, lse), each [...]."""
+    """fp32 logits [..., V], targets [...] -> (loss = lse - target logit, lse), each [...].
+
+    The target logit is a gather where each device holds whole vocabulary rows: XLA then
+    writes the logits' gradient once (softmax, minus one at the target). Logits sharded
+    over the vocabulary (`model`) take it as a masked sum instead, which each shard
+    computes on its own slice before one all-reduce; a gather there would need the whole row.
+    """
     lse = jax.nn.logsumexp(logits, axis=-1)
-    hit = jnp.arange(logits.shape[-1]) == targets[..., None]
-    return lse - jnp.sum(jnp.where(hit, logits, 0.0), axis=-1), lse
+    if spec(logits)[-1] is None:
+        target = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    else:
+        hit = jnp.arange(logits.shape[-1]) == targets[..., None]
+        target = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
+    return lse - target, lse
 
 
 # ---------------------------------------------------------------- QuACK (CuTe DSL, torch)
@@ -152,7 +164,6 @@ def cross_entropy(hidden, w_out, targets, mask, *, max_logits=MAX_LOGITS, backen
     def split(x):  # [B, T, ...] -> [n, B, c, ...]
         return jnp.moveaxis(x.reshape(B, n, c, *x.shape[2:]), 1, 0)
 
-    @jax.checkpoint
     def chunk(carry, xs):
         h, t, m = xs
         logits = jnp.einsum("bcd,dv->bcv", h, w_out, preferred_element_type=jnp.float32)
@@ -161,7 +172,11 @@ def cross_entropy(hidden, w_out, targets, mask, *, max_logits=MAX_LOGITS, backen
         return (nll + jnp.sum(loss * m), zsq + jnp.sum(lse**2 * m)), None
 
     zero = jnp.zeros((), jnp.float32)
-    (nll, zsq), _ = jax.lax.scan(chunk, (zero, zero), (split(hidden), split(targets), split(mask.astype(jnp.float32))))
+    if n == 1:  # one chunk holds every logit anyway: keep them for the backward pass
+        (nll, zsq), _ = chunk((zero, zero), (hidden, targets, mask.astype(jnp.float32)))
+        return nll, zsq
+    (nll, zsq), _ = jax.lax.scan(jax.checkpoint(chunk), (zero, zero),
+                                 (split(hidden), split(targets), split(mask.astype(jnp.float32))))
     return nll, zsq
 
 
