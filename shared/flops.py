@@ -7,14 +7,12 @@ min(t+1, W) keys for query t. Nothing is rounded up; remat recomputation is not 
 (it is not useful work), so MFU is model FLOPs utilisation.
 
 Peaks are dense (no 2:4 sparsity) tensor-core / MXU figures from vendor data sheets.
-On CPU no data sheet applies, so the peak is measured once by a large matmul and cached.
+On CPU no data sheet applies, so the peak is a large fp32 matmul measured in the same
+process at the start of the run (about a second), never a figure from another moment.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import platform
 import time
 
 import jax
@@ -55,21 +53,12 @@ def matmul_flops_per_token(n_matmul_params: int) -> float:
     return 6.0 * n_matmul_params
 
 
-def _cache_dir():
-    return os.environ.get("STENCIL_CACHE") or os.path.expanduser("~/.cache/stencil")
+def measure_cpu_peak(n: int = 1024, repeats: int = 5) -> float:
+    """Best FLOP/s of an n x n fp32 matmul on one CPU device, measured now (about a second).
 
-
-def measure_cpu_peak(n: int = 2048, repeats: int = 5) -> float:
-    """Best FLOP/s of an n x n fp32 matmul on one CPU device, cached per machine."""
-    key = f"{platform.node()}-{platform.processor() or platform.machine()}-{os.cpu_count()}-{jax.__version__}-{n}"
-    path = os.path.join(_cache_dir(), "cpu_peak.json")
-    try:
-        with open(path) as f:
-            cache = json.load(f)
-    except FileNotFoundError:
-        cache = {}
-    if key in cache:
-        return cache[key]
+    Never cached across processes: a shared machine's speed changes with its load, so a
+    figure from another moment says nothing about this run.
+    """
     a = jnp.ones((n, n), jnp.float32)
     mm = jax.jit(lambda x: x @ x)
     mm(a).block_until_ready()
@@ -78,23 +67,23 @@ def measure_cpu_peak(n: int = 2048, repeats: int = 5) -> float:
         t0 = time.perf_counter()
         mm(a).block_until_ready()
         best = min(best, time.perf_counter() - t0)
-    peak = 2 * n**3 / best
-    cache[key] = peak
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(cache, f)
-    os.replace(tmp, path)
-    return peak
+    return 2 * n**3 / best
+
+
+_measured: dict = {}  # this process's CPU peak, measured on the first device_peak call
 
 
 def device_peak(dtype: str = "bfloat16", device=None) -> tuple[float, str]:
     """(peak FLOP/s of one device for this compute dtype, where the figure comes from)."""
     device = device or jax.devices()[0]
     if device.platform == "cpu":
-        # With fake host devices all "devices" share the same cores: the measured peak
-        # is for the whole process, so divide it among them.
-        return measure_cpu_peak() / jax.local_device_count(), "measured fp32 matmul"
+        # Measured in this process the first time it is asked (the start of a run). With
+        # fake host devices all "devices" share the same cores: the measured peak is for
+        # the whole process, so divide it among them.
+        if "cpu" not in _measured:
+            _measured["cpu"] = measure_cpu_peak()
+        peak = _measured["cpu"]
+        return peak / jax.local_device_count(), f"measured fp32 matmul, {peak / 1e9:.0f} GFLOP/s at start"
     kind = device.device_kind
     for sub, peaks in PEAKS:
         if sub in kind:

@@ -4,6 +4,7 @@ import json
 import math
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -39,9 +40,15 @@ def test_mfu_and_peaks(monkeypatch):
     Dev.device_kind = "Mystery 9000"
     with pytest.raises(ValueError, match="Mystery 9000"):
         flops.device_peak("bfloat16", Dev())
-    peak, src = flops.device_peak("float32")  # CPU: measured and cached
-    assert peak > 1e8 and src == "measured fp32 matmul"
-    assert flops.device_peak("float32")[0] == peak
+    # CPU: measured in this process on the first call, never read from a file
+    monkeypatch.setenv("STENCIL_CACHE", "/nonexistent")
+    monkeypatch.setattr(flops, "_measured", {})
+    calls = []
+    monkeypatch.setattr(flops, "measure_cpu_peak", lambda: calls.append(1) or 4e11)
+    peak, src = flops.device_peak("float32")
+    assert peak == 4e11 / jax.local_device_count()
+    assert src == "measured fp32 matmul, 400 GFLOP/s at start"
+    assert flops.device_peak("float32")[0] == peak and calls == [1]  # once per process
 
 
 def test_logger_writes_jsonl_and_only_on_process_zero(tmp_path):
