@@ -8,24 +8,37 @@ attention). Masks, all optional and combined with AND:
 Logit soft-capping, optional: softcap=c > 0 replaces each scaled logit x by c * tanh(x / c)
 before the masks and the softmax (0 = off).
 
+`return_lse=True` returns `(out, lse)`: lse [B, T, H] float32 (out's layout without D) is each
+query's log-sum-exp over its visible keys of the scaled, soft-capped logits, i.e. the log of
+its softmax denominator. It is differentiable (d lse / d logit = the softmax weight), so a
+variant can build on it; e.g. learned attention sinks, a per-head logit s joining the
+denominator without a value: `out * jax.nn.sigmoid(lse - s)[..., None]`. A query with no
+visible key (possible only with causal=False, a window, and T > S + W - 1; pallas refuses
+such calls) gets lse = -1e30, the value masked logits take. Backends that cannot return a
+correct, differentiable lse refuse `return_lse` by name (cudnn, flash4), so `auto` passes
+over them.
+
 Backends, in the order `auto` tries them:
   cudnn      `jax.nn.dot_product_attention(implementation="cudnn")`, NVIDIA GPUs only.
              UNVERIFIED ON GPU: it was written and checked for refusal logic on CPU only.
              Segment ids are passed as a dense [B, 1, T, S] boolean mask, which costs
              O(T*S) memory, so `auto` passes it over for packed rows longer than 4096.
-             A window only with the causal mask; no soft-capping.
+             A window only with the causal mask; no soft-capping; refuses `return_lse`
+             (`jax.nn.dot_product_attention` does not return the log-sum-exp).
   flash4     FlashAttention-4 CuTe-DSL kernels (package `flash-attn-4`, module
              `flash_attn.cute`), Hopper (sm90) and Blackwell (sm100) GPUs, forward and
              backward. UNVERIFIED ON GPU: the JAX-to-torch glue (see `_flash4`) was run on
              CPU with a torch stand-in for the kernels; the kernels themselves never ran.
              Causal, window (with causal), soft-capping, grouped-query attention; refuses
-             segment ids (its dense interface has none). `auto` passes it over below
+             segment ids (its dense interface has none) and `return_lse` (its backward
+             takes no lse cotangent). `auto` passes it over below
              T = 1024 (a guess, not a measurement: each call is a Python launch).
   pallas     our Pallas flash attention (shared/kernels/pallas_attention.py), Triton
              lowering, NVIDIA GPUs (sm80+), forward and backward kernels. UNVERIFIED ON GPU:
              checked on CPU in Pallas interpret mode against the reference and lowered for
              CUDA; never compiled by Triton nor run on a GPU. Every mask the reference has
-             (causal, window, segment ids, soft-capping, GQA); O(T * W) work for a window.
+             (causal, window, segment ids, soft-capping, GQA) and `return_lse`; O(T * W)
+             work for a window.
   reference  XLA einsums with an fp32 softmax. Always available; the ground truth.
              Causal calls with a window W < T take a blockwise path: queries in blocks of
              Bq = min(W, 512), each block against its own and the previous ceil((W-1)/Bq)
@@ -74,6 +87,7 @@ class Call:
     window: int | None
     has_segments: bool
     softcap: float = 0.0
+    return_lse: bool = False
 
 
 # ---------------------------------------------------------------- reference (XLA)
@@ -99,13 +113,14 @@ def _logits(qg, k, scale, softcap, spec):
     return softcap * jnp.tanh(logits / softcap) if softcap else logits
 
 
-def reference(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, softcap=0.0):
+def reference(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, softcap=0.0, return_lse=False):
+    kw = dict(segment_ids=segment_ids, scale=scale, softcap=softcap, return_lse=return_lse)
     if causal and window is not None and window < q.shape[1]:
-        return _windowed(q, k, v, segment_ids=segment_ids, window=window, scale=scale, softcap=softcap)
-    return _dense(q, k, v, segment_ids=segment_ids, causal=causal, window=window, scale=scale, softcap=softcap)
+        return _windowed(q, k, v, window=window, **kw)
+    return _dense(q, k, v, causal=causal, window=window, **kw)
 
 
-def _dense(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, softcap=0.0):
+def _dense(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, softcap=0.0, return_lse=False):
     """Every query against every key, then the mask: O(T*S) time and memory."""
     B, T, H, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
@@ -118,10 +133,14 @@ def _dense(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, s
     logits = jnp.where(ok, logits, -1e30)
     probs = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v)
-    return out.reshape(B, T, H, D, out_sharding=named(b, t, h, d))
+    out = out.reshape(B, T, H, D, out_sharding=named(b, t, h, d))
+    if not return_lse:
+        return out
+    lse = jax.nn.logsumexp(logits, axis=-1).transpose(0, 3, 1, 2)  # [B, Hkv, G, T] -> [B, T, Hkv, G]
+    return out, lse.reshape(B, T, H, out_sharding=named(b, t, h))
 
 
-def _windowed(q, k, v, *, segment_ids=None, window, scale=None, softcap=0.0, block=None):
+def _windowed(q, k, v, *, segment_ids=None, window, scale=None, softcap=0.0, block=None, return_lse=False):
     """Causal sliding-window attention in query blocks: O(T * (W + Bq)) time and memory.
 
     The sequence is padded to n blocks of Bq queries. Block i holds queries i*Bq .. i*Bq+Bq-1,
@@ -158,9 +177,14 @@ def _windowed(q, k, v, *, segment_ids=None, window, scale=None, softcap=0.0, blo
         sq = jnp.pad(segment_ids, [(0, 0), (0, Tp - T)]).reshape(B, n, Bq, out_sharding=named(sb, None, None))
         sk = key_windows(segment_ids)
         ok = ok & (sq[:, :, None, None, :, None] == sk[:, :, None, None, None, :])
-    probs = jax.nn.softmax(jnp.where(ok, logits, -1e30), axis=-1)
+    logits = jnp.where(ok, logits, -1e30)
+    probs = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("bnkgqs,bnskd->bnqkgd", probs.astype(v.dtype), vw)
-    return out.reshape(B, Tp, H, D, out_sharding=named(b, None, h, d))[:, :T]
+    out = out.reshape(B, Tp, H, D, out_sharding=named(b, None, h, d))[:, :T]
+    if not return_lse:
+        return out
+    lse = jax.nn.logsumexp(logits, axis=-1).transpose(0, 1, 4, 2, 3)  # [B, n, Hkv, G, Bq] -> [B, n, Bq, Hkv, G]
+    return out, lse.reshape(B, Tp, H, out_sharding=named(b, None, h))[:, :T]
 
 
 # ---------------------------------------------------------------- cuDNN (GPU)
@@ -177,6 +201,8 @@ def _cudnn_auto_skip(c: Call):
 
 
 def _cudnn_refuses(c: Call):
+    if c.return_lse:
+        return "cuDNN attention (jax.nn.dot_product_attention) cannot return the log-sum-exp (return_lse)"
     if c.dtype not in (jnp.bfloat16, jnp.float16):
         return f"cuDNN attention takes bfloat16/float16 inputs, got {c.dtype}"
     if c.q_shape[-1] % 8 or c.q_shape[-1] > 256:
@@ -188,8 +214,8 @@ def _cudnn_refuses(c: Call):
     return None
 
 
-def _cudnn(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, softcap=0.0):
-    assert not softcap, "refused in _cudnn_refuses"
+def _cudnn(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, softcap=0.0, return_lse=False):
+    assert not softcap and not return_lse, "refused in _cudnn_refuses"
     mask = None
     if segment_ids is not None:
         mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
@@ -202,11 +228,12 @@ def _cudnn(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, s
 
 # ---------------------------------------------------------------- whole-array kernels under a mesh
 
-def _local(fn, q, k, v, segment_ids):
+def _local(fn, q, k, v, segment_ids, return_lse=False):
     """Run a whole-array kernel `fn(q, k, v, segment_ids)` per device under an explicit mesh.
 
     Batch may be sharded (over any axes) and heads too, as long as q, k and v shard them
     alike, so that each device holds whole kv groups. Sequence and head_dim must be whole.
+    With `return_lse`, fn returns (out [B, T, H, D], lse [B, T, H]).
     """
     if jax.sharding.get_abstract_mesh().empty:
         return fn(q, k, v, segment_ids)
@@ -218,7 +245,7 @@ def _local(fn, q, k, v, segment_ids):
     seg_spec = (qs[0], None)
     if segment_ids is not None and spec(segment_ids) != seg_spec:
         segment_ids = jax.sharding.reshard(segment_ids, P(*seg_spec))
-    return per_shard(fn, (q, k, v, segment_ids), (qs, ks, vs, seg_spec), qs)
+    return per_shard(fn, (q, k, v, segment_ids), (qs, ks, vs, seg_spec), [qs, qs[:3]] if return_lse else qs)
 
 
 # ---------------------------------------------------------------- FlashAttention-4 (CuTe DSL, torch)
@@ -287,6 +314,9 @@ def _flash4_unavailable():
 
 
 def _flash4_refuses(c: Call):
+    if c.return_lse:
+        return ("FlashAttention-4's backward takes no log-sum-exp cotangent, so gradients through "
+                "return_lse would be wrong (pallas returns a differentiable lse)")
     if c.dtype not in (jnp.bfloat16, jnp.float16):
         return f"FlashAttention-4 takes bfloat16/float16 inputs, got {c.dtype}"
     if c.q_shape[-1] % 8 or c.q_shape[-1] > 128:
@@ -304,8 +334,8 @@ def _flash4_auto_skip(c: Call):
     return None
 
 
-def _flash4(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, softcap=0.0):
-    assert segment_ids is None, "refused in _flash4_refuses"
+def _flash4(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, softcap=0.0, return_lse=False):
+    assert segment_ids is None and not return_lse, "refused in _flash4_refuses"
     opts = (("scale", q.shape[-1] ** -0.5 if scale is None else float(scale)), ("causal", bool(causal)),
             ("softcap", float(softcap)), ("window_left", None if window is None else int(window) - 1))
     return _local(lambda q, k, v, _: _fa4(q, k, v, opts), q, k, v, None)
@@ -327,13 +357,14 @@ def _pallas_refuses(c: Call):
     return None
 
 
-def _pallas(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, softcap=0.0, interpret=False):
+def _pallas(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, softcap=0.0, return_lse=False,
+            interpret=False):
     from shared.kernels import pallas_attention
 
     def run(q, k, v, seg):
         return pallas_attention.attention(q, k, v, segment_ids=seg, causal=causal, window=window, scale=scale,
-                                          softcap=softcap, interpret=interpret)
-    return _local(run, q, k, v, segment_ids)
+                                          softcap=softcap, return_lse=return_lse, interpret=interpret)
+    return _local(run, q, k, v, segment_ids, return_lse)
 
 
 # ---------------------------------------------------------------- dispatch
@@ -352,11 +383,16 @@ def available_backends() -> list[str]:
 
 def _choose(call: Call, backend: str) -> Backend:
     return choose("attention", BACKENDS, call, backend, error=AttentionError,
-                  key=f"q{call.q_shape} window={call.window}")
+                  key=f"q{call.q_shape} window={call.window}" + (" return_lse" if call.return_lse else ""))
 
 
-def attention(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, softcap=0.0, backend="auto"):
-    """Multi-head attention with optional causal, sliding-window and document masks and logit soft-capping."""
+def attention(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, softcap=0.0, return_lse=False,
+              backend="auto"):
+    """Multi-head attention with optional causal, sliding-window and document masks and logit soft-capping.
+
+    Returns out [B, T, H, D] in q's dtype, or with `return_lse=True` the pair (out, lse), lse
+    [B, T, H] float32: each query's log-sum-exp over its visible keys (module docstring).
+    """
     B, T, H, D = q.shape
     if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D or H % k.shape[2]:
         raise AttentionError(f"bad shapes: q {q.shape}, k {k.shape}, v {v.shape}")
@@ -369,6 +405,7 @@ def attention(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None
     if segment_ids is not None and (segment_ids.shape != (B, T) or k.shape[1] != T):
         raise AttentionError(f"segment_ids must be [B, T] = {(B, T)} with T == S, got {segment_ids.shape}")
     call = Call(tuple(q.shape), tuple(k.shape), jnp.dtype(q.dtype), causal, window, segment_ids is not None,
-                float(softcap))
+                float(softcap), bool(return_lse))
     b = _choose(call, backend)
-    return b.run(q, k, v, segment_ids=segment_ids, causal=causal, window=window, scale=scale, softcap=softcap)
+    kw = dict(return_lse=True) if return_lse else {}  # only when asked: backends that refuse it need no such argument
+    return b.run(q, k, v, segment_ids=segment_ids, causal=causal, window=window, scale=scale, softcap=softcap, **kw)

@@ -12,7 +12,9 @@ combined with AND, optional logit soft-capping c * tanh(x / c), fp32 softmax sta
 
 Forward: one program per (query block, batch, head) streams key blocks with an online
 softmax, visiting only the key blocks the causal and window masks can let through, so a
-window W costs O(T * W) work. It saves the per-row log-sum-exp for the backward.
+window W costs O(T * W) work. It saves the per-row log-sum-exp for the backward and
+returns it (`return_lse=True`); a cotangent on it enters the backward through delta, see
+`_backward`.
 Backward: two kernels, as in FlashAttention-2: dK/dV per (key block, batch, q head),
 streaming the query blocks that can see that key block, and dQ per (query block, batch,
 head), streaming key blocks as the forward does. With grouped-query attention (G = H / Hkv
@@ -209,12 +211,14 @@ def _dkv_kernel(*refs, scale, softcap, causal, window, T, S, block, nq, has_seg)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _backward(q, k, v, seg, o, lse, do, *, scale, softcap, causal, window, T, S, block, interpret):
+def _backward(q, k, v, seg, o, lse, do, dlse, *, scale, softcap, causal, window, T, S, block, interpret):
     B, Tp, H, Dp = q.shape
     Sp, Hkv = k.shape[1], k.shape[2]
     G, nq, nk = H // Hkv, Tp // block, Sp // block
     has_seg = seg is not None
-    delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
+    # dS = P * (dP - delta) with delta = rowsum(dO * O); a cotangent g on lse adds P * g
+    # (d lse / d S = P), so it is folded into delta.
+    delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32)) - dlse
     common = dict(scale=scale, softcap=softcap, causal=causal, window=window, T=T, S=S, block=block,
                   has_seg=has_seg)
     params = None if interpret else _compiler_params(4 if Dp <= 64 else 8)
@@ -260,17 +264,19 @@ def _backward(q, k, v, seg, o, lse, do, *, scale, softcap, causal, window, T, S,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _flash(q, k, v, seg, opts):
-    return _forward(q, k, v, seg, **dict(opts))[0]
+    """(out [B, Tp, H, Dp], lse [B, H, Tp] fp32), both differentiable."""
+    return tuple(_forward(q, k, v, seg, **dict(opts)))
 
 
 def _flash_fwd(q, k, v, seg, opts):
     o, lse = _forward(q, k, v, seg, **dict(opts))
-    return o, (q, k, v, seg, o, lse)
+    return (o, lse), (q, k, v, seg, o, lse)
 
 
-def _flash_bwd(opts, res, do):
+def _flash_bwd(opts, res, cts):
     q, k, v, seg, o, lse = res
-    dq, dk, dv = _backward(q, k, v, seg, o, lse, do, **dict(opts))
+    do, dlse = cts  # dlse is zeros when the caller dropped lse
+    dq, dk, dv = _backward(q, k, v, seg, o, lse, do, dlse, **dict(opts))
     return dq, dk, dv, None
 
 
@@ -282,8 +288,10 @@ def default_block(T: int) -> int:
 
 
 def attention(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, softcap=0.0,
-              block=None, interpret=False):
+              return_lse=False, block=None, interpret=False):
     """Pallas flash attention on whole local arrays (no mesh handling: see attention.py's wrapper).
+
+    Returns out [B, T, H, D], or with `return_lse` (out, lse [B, T, H] float32), as the reference.
 
     `interpret=True` runs the same kernels through Pallas' interpreter (any platform; slow;
     for tests). Otherwise the Triton lowering is used, which needs an NVIDIA GPU.
@@ -301,5 +309,6 @@ def attention(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None
     seg = None if segment_ids is None else jnp.pad(segment_ids.astype(jnp.int32), [(0, 0), (0, Tp - T)])
     opts = (("scale", scale), ("softcap", float(softcap)), ("causal", bool(causal)), ("window", window),
             ("T", T), ("S", S), ("block", block), ("interpret", bool(interpret)))
-    out = _flash(pad(q, Tp), pad(k, Sp), pad(v, Sp), seg, opts)
-    return out[:, :T, :, :D]
+    out, lse = _flash(pad(q, Tp), pad(k, Sp), pad(v, Sp), seg, opts)
+    out = out[:, :T, :, :D]
+    return (out, lse[:, :, :T].transpose(0, 2, 1)) if return_lse else out
