@@ -4,9 +4,13 @@ train.py is found here and must expose the same names and pass the same checks.
 model.py: frozen, self-validating `ModelConfig`; `init(cfg, key)`; `param_specs(cfg)`
 matching `init`'s pytree; `forward(params, tokens, cfg, *, segment_ids=None) -> logits`;
 `loss_fn(params, batch, cfg) -> (loss, metrics)`; `COPIED_FROM` naming its parent.
-train.py: `TrainConfig`, `make_train_step(...)`, `main(cfg)`.
+train.py: `TrainConfig`, `make_mesh`, `make_optimizer`, `init_state`, `make_train_step`,
+`make_eval_step`, `batch_spec`, `CONTRACT_TINY`, `main` (EXPORTS lists every name used).
 
-Each check runs on an 8-device CPU mesh (data=4, model=2). Abstract traces allocate
+Each check runs on an 8-device CPU mesh (data=4, model=2, or what the variant's
+CONTRACT_TINY sets: e.g. an `expert` axis), at a tiny config that the variant's own
+CONTRACT_TINY adjusts so its distinctive path runs (a window shorter than the row, several
+KDA chunks, experts over devices). Batches are placed with the variant's `batch_spec`. Abstract traces allocate
 nothing, so every preset of every variant is traced too, at its own scale: its own
 batch and mesh, on an AbstractMesh of as many devices as the preset's mesh sizes multiply
 to (AT_SCALE_DEVICES when it leaves mesh_data at -1), lowered for CUDA. For that,
@@ -36,11 +40,24 @@ def modules(variant):
     return load(os.path.join(ROOT, variant, "model.py")), load(os.path.join(ROOT, variant, "train.py"))
 
 
+# Every name main() and these tests use. A variant missing one fails test_exports, listing them all.
+EXPORTS = {
+    "model": ("COPIED_FROM", "ConfigError", "ModelConfig", "check", "init", "param_specs", "forward", "loss_fn",
+              "num_params", "flops_per_token"),
+    "train": ("TrainConfig", "CONTRACT_TINY", "make_mesh", "make_optimizer", "init_state", "make_train_step",
+              "make_eval_step", "batch_spec", "to_device", "main"),
+}
+
+
 def tiny(train, **over):
-    """The built-in CPU default model with a small batch, on a data=4 x model=2 mesh."""
-    kw = dict(seq_len=32, batch_size=8, steps=4, warmup_steps=0, mesh_data=4, mesh_model=2, wandb="disabled")
+    """The built-in CPU default with 8 rows of 32 tokens on the 8 devices (data=4 x model=2 unless the
+    variant's CONTRACT_TINY says otherwise), plus the variant's CONTRACT_TINY overrides, then `over`."""
+    own = dict(train.CONTRACT_TINY)
+    model_over = own.pop("model", {})
+    kw = dict(seq_len=32, batch_size=8, steps=4, warmup_steps=0, mesh_data=-1, mesh_model=2, wandb="disabled")
+    kw.update(own)
     kw.update(over)
-    return train.TrainConfig(**kw)
+    return train.TrainConfig(model=dataclasses.replace(train.TrainConfig().model, **model_over), **kw)
 
 
 AT_SCALE_DEVICES = 64  # a preset that leaves mesh_data at -1 is traced on this many devices
@@ -55,9 +72,9 @@ def at_scale_devices(cfg) -> int:
     return math.prod(sizes) if cfg.mesh_data > 0 else AT_SCALE_DEVICES
 
 
-def batch_spec(mesh, cfg):
+def batch_spec(train, mesh, cfg):
     micro = cfg.batch_size // cfg.grad_accum
-    s = NamedSharding(mesh, P(None, "data", None))
+    s = NamedSharding(mesh, train.batch_spec(1))
     shape = (cfg.grad_accum, micro, cfg.seq_len)
     return {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=s),
             "targets": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=s),
@@ -67,11 +84,13 @@ def batch_spec(mesh, cfg):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_exports(variant):
-    model, train = modules(variant)
-    missing = [f"model.{n}" for n in ("ModelConfig", "init", "param_specs", "forward", "loss_fn", "COPIED_FROM")
-               if not hasattr(model, n)]
-    missing += [f"train.{n}" for n in ("TrainConfig", "make_train_step", "main") if not hasattr(train, n)]
+    mods = dict(zip(("model", "train"), modules(variant)))
+    missing = [f"{m}.{n}" for m, names in EXPORTS.items() for n in names if not hasattr(mods[m], n)]
     assert not missing, f"{variant} lacks {missing}"
+    model, train = mods["model"], mods["train"]
+    assert isinstance(train.CONTRACT_TINY, dict), f"{variant}: CONTRACT_TINY must be a dict of TrainConfig overrides"
+    assert isinstance(train.batch_spec(1), P) and len(train.batch_spec(1)) == 3, \
+        f"{variant}: batch_spec(1) must be the PartitionSpec of a [grad_accum, rows, T] array"
     assert dataclasses.is_dataclass(model.ModelConfig), f"{variant}: ModelConfig is not a dataclass"
     assert model.ModelConfig.__dataclass_params__.frozen, f"{variant}: ModelConfig must be frozen"
     assert dataclasses.is_dataclass(train.TrainConfig), f"{variant}: TrainConfig is not a dataclass"
@@ -128,7 +147,7 @@ def _trace(train, cfg, n_devices=None):
     with jax.set_mesh(mesh) if n_devices is None else jax.sharding.use_abstract_mesh(mesh):
         state = jax.eval_shape(lambda: train.init_state(cfg, opt, jax.random.key(0)))
         step = train.make_train_step(cfg, opt, schedule)
-        traced = step.trace(state, batch_spec(mesh, cfg))
+        traced = step.trace(state, batch_spec(train, mesh, cfg))
         lowered = traced.lower() if n_devices is None else traced.lower(lowering_platforms=("cuda",))
         out_state, metrics = lowered.out_info
     assert jax.tree.structure(out_state) == jax.tree.structure(state)
@@ -173,7 +192,7 @@ def test_concrete_step(variant):
     with jax.set_mesh(mesh):
         state = jax.jit(lambda k: train.init_state(cfg, opt, k))(jax.random.key(0))
         before = jax.tree.map(np.asarray, state["params"])
-        batch = {k: jax.device_put(v, NamedSharding(mesh, P(None, "data", None)))
+        batch = {k: jax.device_put(v, NamedSharding(mesh, train.batch_spec(1)))
                  for k, v in random_batch(cfg, np.random.default_rng(0)).items()}
         step = train.make_train_step(cfg, opt, schedule)
         state, m = step(state, batch)
@@ -193,22 +212,23 @@ def _forward_fn(variant):
     mesh = train.make_mesh(cfg)
     with jax.set_mesh(mesh):
         params = jax.jit(lambda k: model.init(cfg.model, k))(jax.random.key(1))
-    return mesh, params, jax.jit(lambda p, t, s: model.forward(p, t, cfg.model, segment_ids=s))
+    put = lambda x: jax.device_put(jnp.asarray(x), NamedSharding(mesh, train.batch_spec()))  # noqa: E731
+    return mesh, params, put, jax.jit(lambda p, t, s: model.forward(p, t, cfg.model, segment_ids=s))
 
 
 def _forward(variant, tokens, segment_ids=None):
-    mesh, params, f = _forward_fn(variant)
+    mesh, params, put, f = _forward_fn(variant)
     if segment_ids is None:  # one compiled program for both tests: no ids = one document per row
         segment_ids = np.ones_like(tokens)
     with jax.set_mesh(mesh):
-        return np.asarray(f(params, jnp.asarray(tokens), jnp.asarray(segment_ids)))
+        return np.asarray(f(params, put(tokens), put(segment_ids)))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_causality(variant):
     """Changing a later token never changes the logits of earlier positions."""
     _, train = modules(variant)
-    V, T = train.TrainConfig().model.vocab_size, 32
+    V, T = tiny(train).model.vocab_size, 32
     rng = np.random.default_rng(0)
     a = rng.integers(0, V, (4, T), dtype=np.int32)
     b = a.copy()
@@ -222,7 +242,7 @@ def test_causality(variant):
 def test_document_isolation(variant):
     """A packed row gives each document the logits it gets alone."""
     _, train = modules(variant)
-    V, T, cut = train.TrainConfig().model.vocab_size, 32, 13
+    V, T, cut = tiny(train).model.vocab_size, 32, 13
     rng = np.random.default_rng(1)
     packed = rng.integers(0, V, (4, T), dtype=np.int32)
     seg = np.where(np.arange(T) < cut, 1, 2).astype(np.int32)[None].repeat(4, 0)

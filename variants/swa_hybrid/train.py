@@ -82,6 +82,13 @@ class TrainConfig:
         check(self.eval_every > 0 and self.log_every > 0, "eval_every", "eval_every and log_every must be positive")
 
 
+# What the contract test (tests/test_contract.py) runs on 8 CPU devices: the CPU default at 32
+# tokens a row and 8 rows on a data x model = 4 x 2 mesh, with these overrides on top ("model": {...}
+# for ModelConfig fields). A copy that adds a path the default never reaches at that size (a window
+# shorter than the row, several chunks, another mesh axis) sets it here, so the contract runs it.
+CONTRACT_TINY: dict = {"model": {"window": 16}}  # local layers slide within the 32-token row
+
+
 # ---------------------------------------------------------------- mesh, optimizer, steps
 
 def make_mesh(cfg: TrainConfig, devices=None):
@@ -148,9 +155,15 @@ def make_eval_step(cfg: TrainConfig):
     return eval_step
 
 
+def batch_spec(leading: int = 0) -> P:
+    """PartitionSpec of a batch array [*leading axes, rows, T]: rows over `data`. The loop and the
+    contract test (tests/test_contract.py) both place batches with it."""
+    return P(*([None] * leading), "data", None)
+
+
 def to_device(batch: dict, mesh, leading: tuple = ()):
     """Host numpy rows of this process -> global arrays sharded over `data` on the row axis."""
-    spec = P(*([None] * len(leading)), "data", None)
+    spec = batch_spec(len(leading))
     out = {}
     for k, v in batch.items():
         v = v.reshape(*leading, -1, v.shape[-1])
@@ -181,7 +194,7 @@ def sample(params, cfg: TrainConfig, corpus, mesh, n_tokens: int, key) -> str:
         # replicated, so every process can read it (multi-process)
         return jax.sharding.reshard(jax.random.categorical(key, last / 0.8, axis=-1), P())
 
-    tokens = jax.device_put(buf, NamedSharding(mesh, P("data", None)))
+    tokens = jax.device_put(buf, NamedSharding(mesh, batch_spec()))
     out = list(prompt)
     for i in range(len(prompt), min(len(prompt) + n_tokens, cfg.seq_len)):
         key, sub = jax.random.split(key)
