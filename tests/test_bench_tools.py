@@ -1,0 +1,78 @@
+"""tools/bench_step.py (the plain-JAX reference step) and tools/gpu_benchmark.py (on CPU: the plan,
+a real tiny job, the table, the time limits)."""
+
+import json
+import os
+import subprocess
+import sys
+
+from shared.variant import ROOT
+
+BENCH = os.path.join(ROOT, "tools", "bench_step.py")
+GPU = os.path.join(ROOT, "tools", "gpu_benchmark.py")
+TINY = ["--seq_len", "32", "--batch_size", "4", "--model.n_layers", "2", "--model.vocab_size", "256"]
+
+
+def run(*cmd, timeout=240):
+    env = {**os.environ, "XLA_FLAGS": ""}  # one CPU device, as a user runs them
+    return subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_bench_checks_then_times_both_steps_and_reports_noise():
+    """The hand-written plain step computes dense's math (loss, gradients and one optimizer step agree
+    on packed documents, GQA, z-loss on, tied embeddings; else the tool refuses to time them), then
+    the two are timed with the A/A noise beside them."""
+    p = run(BENCH, "--rounds", "2", "--steps-per-round", "1", *TINY, "--model.z_loss", "1e-3",
+            "--model.tie_embeddings", "true")
+    assert p.returncode == 0, p.stdout + p.stderr
+    for line in ("losses, gradients and one-step parameters of A and B agree", "A/A' (noise)   wall",
+                 "A/B            wall", "of the best in-process fp32 matmul"):
+        assert line in p.stdout, p.stdout
+
+
+def test_bench_refuses_a_reference_it_does_not_have():
+    p = run(BENCH, "--variant", "kda")
+    assert p.returncode == 2 and "--no-reference" in p.stderr
+
+
+def test_gpu_benchmark_dry_run_plans_every_preset_first():
+    p = run(GPU, "--dry-run", "--backends", "cudnn,reference")
+    assert p.returncode == 0, p.stderr
+    jobs = [ln.split() for ln in p.stdout.splitlines() if "attention=" in ln]
+    assert len(jobs) == 10
+    # each preset once with the first backend before any preset's second backend
+    assert [j[-1] for j in jobs[:5]] == ["attention=cudnn"] * 5
+    assert {(j[0], j[1]) for j in jobs[:5]} == {("dense", "125m"), ("dense", "1b"), ("swa_hybrid", "1b_8k"),
+                                                 ("kda", "1b_8k"), ("moe_hero", "1b_a200m")}
+    for bad, msg in ((["--backends", "nope"], "unknown"), (["--jobs", "nope"], "no preset"),
+                     (["--budget", "0"], "--budget must be positive")):
+        p = run(GPU, "--dry-run", *bad)
+        assert p.returncode == 2 and msg in p.stderr, (bad, p.stderr)
+
+
+def test_gpu_benchmark_runs_a_job_and_prints_the_table(tmp_path):
+    """A real (tiny) job on CPU: the row has throughput, MFU and step time; memory is n/a on CPU.
+    A second job past its own time limit is killed and reported, and the command still ends with its table."""
+    flags = " ".join(TINY)
+    p = run(GPU, "--jobs", "dense:,swa_hybrid:", "--no-selfcheck", "--steps", "1", "--flags", flags, "--out", str(tmp_path))
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = [json.loads(x) for x in open(tmp_path / "results.jsonl")]
+    assert [(r["variant"], r["backend"], r["status"]) for r in rows] == [("dense", "reference", "ok"),
+                                                                         ("swa_hybrid", "reference", "ok")]
+    assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["peak_mem_gib"] is None for r in rows)
+    assert abs(rows[0]["step_s"] * rows[0]["tokens_per_s"] - 4 * 32) < 1e-6
+    table = (tmp_path / "table.md").read_text()
+    assert "| dense | (CPU default) | reference |" in table and "| n/a |" in table
+
+    p = run(GPU, "--jobs", "dense:", "--no-selfcheck", "--job-timeout", "3", "--flags", flags, "--out", str(tmp_path))
+    assert p.returncode == 1
+    assert json.loads(open(tmp_path / "results.jsonl").readline())["status"].startswith("timeout")
+    assert "| dense | (CPU default) | reference |" in p.stdout
+
+
+def test_gpu_benchmark_budget_leaves_jobs_unrun(tmp_path):
+    """A budget too small for any job: every job is listed as not run, nothing hangs."""
+    p = run(GPU, "--jobs", "dense:", "--no-selfcheck", "--budget", "2", "--job-timeout", "100",
+            "--out", str(tmp_path), timeout=120)
+    rows = [json.loads(x) for x in open(tmp_path / "results.jsonl")]
+    assert rows and all(r["status"] == "not run: budget" for r in rows), p.stdout + p.stderr
