@@ -1,7 +1,8 @@
 """variants/moe_hero: expert parallelism equals one device (loss and gradients, EP = 2, 4, 8),
 the router (the bias picks experts, the unbiased scores weigh them), dropless and capacity
-dispatch against a per-token reference, the aux-loss-free bias update on real data, the
-train-loop metrics and the FLOP count by active parameters.
+dispatch against a per-token reference, the tiled grouped matmul against ragged_dot (EP = 1
+and 2, 4), the aux-loss-free bias update on real data, the train-loop metrics, the FLOP count
+by active parameters and the executed / active expert FLOPs.
 
 XLA:CPU has no ragged all-to-all, so the "ragged" exchange runs here with an emulation of
 `jax.lax.ragged_all_to_all` built from all_gather (tests only); on GPU and TPU the model
@@ -185,6 +186,104 @@ def test_dispatch_matches_per_token_reference(dispatch, cf):
         assert want_dropped == 0
     elif cf == 0.5:
         assert want_dropped > 0, "the test should make some expert overflow"
+
+
+# ---------------------------------------------------------------- the grouped matmul: tiled against ragged
+
+def grouped_grads(f, x, sizes, wg, wu, wd, ct):
+    """f's output and its gradients (rows, three expert weights) under the cotangent ct."""
+    out = jax.jit(f)(x, sizes, wg, wu, wd)
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * ct), argnums=(0, 2, 3, 4)))(x, sizes, wg, wu, wd)
+    return [np.asarray(out)] + [np.asarray(g) for g in grads]
+
+
+@pytest.mark.parametrize("sizes,pad,tile", [
+    ([5, 0, 13, 1, 0, 9], 0, 4),  # uneven, empty experts, several tiles per expert
+    ([0, 0, 7, 0], 6, 3),  # one expert, padding rows after the groups (EP's receive buffer)
+    ([5, 5, 5, 5], 0, 4),  # every group one row past a tile: exactly the n_tiles bound
+    ([17, 0, 2], 9, 32),  # a tile larger than every group
+], ids=["uneven-empty", "padding-rows", "at-the-bound", "one-tile"])
+def test_tiled_equals_ragged(sizes, pad, tile):
+    """_experts_tiled computes what ragged_dot does, outputs and gradients, fp32; padding rows give 0."""
+    rng = np.random.default_rng(0)
+    R, El, D, F = sum(sizes) + pad, len(sizes), 8, 6
+    x = jnp.asarray(rng.standard_normal((R, D)), jnp.float32)
+    wg, wu = (jnp.asarray(rng.standard_normal((El, D, F)), jnp.float32) for _ in range(2))
+    wd = jnp.asarray(rng.standard_normal((El, F, D)), jnp.float32)
+    ct = jnp.asarray(rng.standard_normal((R, D)), jnp.float32)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    ragged = grouped_grads(functools.partial(model._experts_grouped, matmul="ragged"), x, sizes, wg, wu, wd, ct)
+    tiled = grouped_grads(functools.partial(model._experts_tiled, tile=tile), x, sizes, wg, wu, wd, ct)
+    for name, a, b in zip(("output", "d rows", "d gate", "d up", "d down"), tiled, ragged):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
+    assert np.all(tiled[0][R - pad:] == 0) and np.any(tiled[0][:R - pad] != 0)
+
+
+def moe_ffn_grads(cfg, shape, layer, h, ct):
+    """moe_ffn's output and its gradients (input, router, three expert weights) on a mesh."""
+    m = mesh(shape)
+    names = ("router", "ex_gate", "ex_up", "ex_down")
+    specs = {k: P(*model.param_specs(cfg)["moe_layers"][k][1:]) for k in names}
+    with jax.set_mesh(m):
+        w = {k: jax.device_put(layer[k], NamedSharding(m, specs[k])) for k in names}
+        w["router_bias"] = jax.device_put(layer["router_bias"], NamedSharding(m, P(None)))
+        x, c = (jax.device_put(a, NamedSharding(m, P(model.BATCH, None, None))) for a in (h, ct))
+        f = lambda x, w: jnp.sum(model.moe_ffn(x, w, cfg)[0] * c)  # noqa: E731
+        y, stats = jax.jit(lambda x, w: model.moe_ffn(x, w, cfg))(x, w)
+        gx, gw = jax.jit(jax.grad(f, argnums=(0, 1)))(x, w)
+    return {"output": np.asarray(y), "d input": np.asarray(gx), **{f"d {k}": np.asarray(gw[k]) for k in names},
+            "load": np.asarray(stats["load"])}
+
+
+@pytest.mark.parametrize("shape,a2a", [((1, 1, 1), "dense"), ((2, 2, 2), "dense"), ((1, 4, 1), "ragged")],
+                         ids=["ep1", "ep2-tp2-dense", "ep4-ragged"])
+def test_tiled_equals_ragged_in_moe_ffn(shape, a2a, ragged_on_cpu, monkeypatch):
+    """The routed experts with expert_matmul tiled and ragged, with expert parallelism: the same output
+    and gradients; tiles of 4 rows (several per expert), two experts never chosen."""
+    monkeypatch.setattr(model, "MAX_TILE", 4)
+    monkeypatch.setattr(model, "MIN_TILE", 4)
+    cfg = small(n_shared=0, a2a=a2a)
+    params, _ = params_and_batch(cfg)
+    layer = jax.tree.map(lambda w: w[0], params["moe_layers"])
+    layer["router_bias"] = np.linspace(0.0, 0.05, cfg.n_experts).astype(np.float32)  # uneven load
+    layer["router_bias"][[1, 4]] = -10.0  # scores are in (0, 1): experts 1 and 4 get nothing
+    rng = np.random.default_rng(3)
+    h, ct = (rng.standard_normal((8, 10, cfg.d_model)).astype(np.float32) for _ in range(2))
+    ragged = moe_ffn_grads(dataclasses.replace(cfg, expert_matmul="ragged"), shape, layer, h, ct)
+    tiled = moe_ffn_grads(dataclasses.replace(cfg, expert_matmul="tiled"), shape, layer, h, ct)
+    for name in ragged:
+        np.testing.assert_allclose(tiled[name], ragged[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    load = ragged["load"]
+    assert list(load > 0) == [e not in (1, 4) for e in range(cfg.n_experts)], load
+    assert load.max() > 2 * load[load > 0].min(), load
+
+
+def test_expert_matmul_choice_and_flops_ratio():
+    """auto: tiled on CPU, ragged on GPU/TPU; executed / active expert FLOPs of each path."""
+    cfg = small()  # 8 experts, top 2
+    assert [model.expert_matmul(cfg, p) for p in ("cpu", "gpu", "tpu")] == ["tiled", "ragged", "ragged"]
+    ragged, tiled = (dataclasses.replace(cfg, expert_matmul=m) for m in ("ragged", "tiled"))
+    assert model.expert_matmul(ragged, "cpu") == "ragged" and model.expert_matmul(tiled, "gpu") == "tiled"
+    # 40 tokens: 80 rows; XLA:CPU's ragged_dot runs every row with every expert, at any EP
+    assert model.expert_flops_ratio(ragged, 40, "cpu") == 8.0
+    assert model.expert_flops_ratio(ragged, 40, "cpu", ep=2) == 8.0  # 160 buffer rows x 4 experts / 80
+    assert model.expert_flops_ratio(cfg, 40, "gpu") == 1.0
+    assert model.expert_tile(80, 8) == 32  # the smallest tile: (80 + 8 * 31) // 32 = 10 tiles
+    assert model.expert_flops_ratio(cfg, 40, "cpu") == 10 * 32 / 80
+    assert model.expert_flops_ratio(tiled, 40, "gpu") == 10 * 32 / 80
+    # the CPU default: 4096 tokens per device, 8192 rows, tiles of 256
+    default = model.ModelConfig()
+    assert model.expert_tile(8192, 8) == 256
+    assert model.expert_flops_ratio(default, 4096, "cpu") == 39 * 256 / 8192  # (8192 + 8 * 255) // 256 tiles
+    assert model.expert_flops_ratio(default, 2048, "cpu", ep=2) == 35 * 256 / 4096  # 8192 buffer rows, 4 experts
+    assert model.expert_flops_ratio(dataclasses.replace(default, expert_matmul="ragged"), 4096, "cpu") == 8.0
+    capacity = small(dispatch="capacity", capacity_factor=1.25)  # ceil(1.25 * 80 / 8) = 13 slots per expert
+    assert model.expert_flops_ratio(capacity, 40, "cpu") == 8 * 13 / 80
+
+
+def test_expert_matmul_config_error_names_the_field():
+    with pytest.raises(model.ConfigError, match="model.expert_matmul"):
+        small(expert_matmul="dense")
 
 
 # ---------------------------------------------------------------- the train loop

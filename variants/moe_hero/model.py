@@ -13,9 +13,16 @@ this variant changes the feed-forward and the sharding:
     combine weights use the unbiased scores renormalised over the chosen k, times
     `routed_scale`. Optional router z-loss and sequence-level balance loss;
   - dispatch (`dispatch`): "dropless" sorts the token-expert assignments by expert and runs
-    the experts as grouped matmuls (`jax.lax.ragged_dot`), then scatter-adds back;
-    "capacity" gives each expert `capacity_factor * assignments / n_experts` slots per
-    device, drops the overflow and counts it;
+    the experts as grouped matmuls, then scatter-adds back; "capacity" gives each expert
+    `capacity_factor * assignments / n_experts` slots per device, drops the overflow and
+    counts it;
+  - grouped matmul (`expert_matmul`, dropless mode): "ragged" is `jax.lax.ragged_dot`;
+    "tiled" pads each expert's rows up to a multiple of a tile (`expert_tile`: 256 rows at
+    the CPU default) and runs one batched matmul over the tiles, each tile with its expert's
+    weights. XLA:CPU runs ragged_dot as a dense matmul of every row with every local expert
+    (n_experts times the active FLOPs), so "auto" picks tiled on CPU (measured faster:
+    README "On CPU") and ragged on GPU/TPU. `expert_flops_ratio` gives what the chosen path
+    executes relative to the active FLOPs;
   - expert parallelism: a third mesh axis `expert`. Rows of the batch are sharded over
     ("data", "expert") jointly; expert weights over `expert` on their expert axis (FSDP over
     `data`, TP over `model` inside); every other weight is FSDP-sharded over ("data",
@@ -77,6 +84,7 @@ class ModelConfig:
     dispatch: str = "dropless"  # "dropless" | "capacity"
     capacity_factor: float = 1.25  # capacity mode: slots per expert = ceil(cf * assignments / n_experts)
     a2a: str = "auto"  # "auto" | "ragged" | "dense": the token exchange over `expert` (dropless mode)
+    expert_matmul: str = "auto"  # "auto" | "ragged" | "tiled": the grouped matmul (dropless mode); auto = tiled on CPU
     window: int = 64  # local layers see the `window` most recent tokens, themselves included
     global_every: int = 4  # layer i is global iff (i+1) % global_every == 0, and the last layer is
     local_rope_theta: float = 10000.0
@@ -112,6 +120,8 @@ class ModelConfig:
               f"must be dropless or capacity, got {self.dispatch!r}")
         check(self.capacity_factor > 0, "model.capacity_factor", f"must be positive, got {self.capacity_factor}")
         check(self.a2a in ("auto", "ragged", "dense"), "model.a2a", f"must be auto, ragged or dense, got {self.a2a!r}")
+        check(self.expert_matmul in ("auto", "ragged", "tiled"), "model.expert_matmul",
+              f"must be auto, ragged or tiled, got {self.expert_matmul!r}")
         for name in ("param_dtype", "compute_dtype"):
             check(getattr(self, name) in ("float32", "bfloat16"), f"model.{name}",
                   f"must be float32 or bfloat16, got {getattr(self, name)!r}")
@@ -139,6 +149,61 @@ def global_layers(cfg: ModelConfig) -> list[bool]:
 def capacity(cfg: ModelConfig, tokens_per_device: int) -> int:
     """Capacity mode: slots per expert on one device, for its `tokens_per_device` tokens."""
     return max(1, math.ceil(cfg.capacity_factor * tokens_per_device * cfg.top_k / cfg.n_experts))
+
+
+MAX_TILE, MIN_TILE = 256, 32  # rows per tile of the "tiled" grouped matmul (measured on CPU: README "On CPU")
+
+
+def expert_matmul(cfg: ModelConfig, platform: str) -> str:
+    """The grouped matmul dropless mode runs on `platform` (jax.default_backend()): "ragged" or "tiled"."""
+    if cfg.expert_matmul != "auto":
+        return cfg.expert_matmul
+    return "ragged" if platform in ("gpu", "tpu") else "tiled"
+
+
+def expert_tile(rows: int, n_local: int) -> int:
+    """Rows per tile for `rows` rows in `n_local` groups: MAX_TILE, halved while the padding it can
+    add (n_local tiles) is over a quarter of the rows, down to MIN_TILE (smaller tiles ran slower)."""
+    tile = MAX_TILE
+    while tile > MIN_TILE and 4 * n_local * tile > rows:
+        tile //= 2
+    return tile
+
+
+def n_tiles(rows: int, n_local: int, tile: int) -> int:
+    """Tiles of the tiled grouped matmul: the most that `rows` rows in `n_local` groups, each padded
+    up to a multiple of `tile`, can need (sum of ceil(group / tile) <= (rows + n_local * (tile - 1)) // tile)."""
+    return (rows + n_local * (tile - 1)) // tile
+
+
+def expert_flops_ratio(cfg: ModelConfig, tokens_per_device: int, platform: str, *, ep: int = 1) -> float:
+    """FLOPs the routed-expert matmuls execute on one device / their active FLOPs, for the path
+    `platform` picks (`ep` = mesh_expert). 1.0 = no wasted work.
+
+    Active: the device's A = tokens_per_device * top_k assignments (tokens it routes in one
+    forward pass: micro-batch rows per device x seq_len), each through one expert's SwiGLU;
+    this is what flops_per_token counts. Executed: rows x experts the three expert matmuls run
+    (all the same shape per row, and the backward pass repeats the forward's shapes, so the
+    ratio holds for fwd+bwd). The grouped matmul gets R = A rows at ep = 1, and the exchange's
+    worst-case receive buffer of R = ep * A rows (A real ones on average) at ep > 1:
+      dropless, ragged on gpu/tpu: 1.0 (the grouped kernel runs the groups' rows only: assumed,
+        as the GPU/TPU path is unverified);
+      dropless, ragged elsewhere: R * E_local / A = n_experts (XLA:CPU's ragged_dot is a dense
+        matmul of every row with every local expert, masked);
+      dropless, tiled: tile * n_tiles / A, the static worst-case tile bound (each expert's
+        rows padded up to a multiple of the tile, plus the exchange's padding rows);
+      capacity: E_local * ep * slots / A (every slot runs, empty or not).
+    Shared experts and the router are not counted (they execute exactly their active FLOPs).
+    """
+    A = tokens_per_device * cfg.top_k
+    El = cfg.n_experts // ep
+    if cfg.dispatch == "capacity":
+        return El * ep * capacity(cfg, tokens_per_device) / A
+    R = ep * A
+    if expert_matmul(cfg, platform) == "tiled":
+        m = expert_tile(R, El)
+        return m * n_tiles(R, El, m) / A
+    return 1.0 if platform in ("gpu", "tpu") else R * El / A
 
 
 # ---------------------------------------------------------------- parameters
@@ -248,7 +313,8 @@ def num_active_params(cfg: ModelConfig) -> int:
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token, by active parameters: attention projections, the dense FFNs,
     the top_k routed and the shared experts, the router and the unembedding (not the
-    n_experts - top_k idle experts, nor padding slots or the grouped matmul's fallback work),
+    n_experts - top_k idle experts, nor padding slots or the grouped matmul's fallback work:
+    `expert_flops_ratio` gives those as a factor on the routed experts' FLOPs),
     plus causal attention with local layers at their window."""
     attn = sum(flops.attention_flops_per_token(seq_len, cfg.n_heads, cfg.head_dim, window=None if g else cfg.window)
                for g in global_layers(cfg))
@@ -347,11 +413,37 @@ def route(x, w_router, bias, cfg: ModelConfig):
     return idx, weights, logits, scores
 
 
-def _experts_grouped(x, group_sizes, wg, wu, wd):
-    """Rows of x sorted by local expert (group_sizes rows each; any rows after them are padding)."""
+def _experts_grouped(x, group_sizes, wg, wu, wd, *, matmul):
+    """Rows of x sorted by local expert (group_sizes rows each; any rows after them are padding,
+    their outputs zero). matmul: "ragged" (jax.lax.ragged_dot) or "tiled" (_experts_tiled)."""
+    if matmul == "tiled":
+        return _experts_tiled(x, group_sizes, wg, wu, wd, tile=expert_tile(x.shape[0], group_sizes.shape[0]))
     g = jax.lax.ragged_dot(x, wg, group_sizes)
     u = jax.lax.ragged_dot(x, wu, group_sizes)
     return jax.lax.ragged_dot(jax.nn.silu(g) * u, wd, group_sizes)
+
+
+def _experts_tiled(x, group_sizes, wg, wu, wd, *, tile):
+    """_experts_grouped as a batched matmul over tiles of `tile` rows: each expert's rows are
+    padded up to a multiple of the tile, every tile is multiplied by its expert's weights, and
+    the rows are put back. Static shapes: n_tiles(R, E_local, tile) tiles, the unused ones last."""
+    R, D = x.shape
+    El = group_sizes.shape[0]
+    T = n_tiles(R, El, tile)
+    row_end = jnp.cumsum(group_sizes)
+    tiles = (group_sizes + tile - 1) // tile  # per expert
+    tile_end = jnp.cumsum(tiles)
+    r = jnp.arange(R, dtype=row_end.dtype)
+    e = jnp.searchsorted(row_end, r, side="right")  # expert of each row; El for the padding rows
+    ec = jnp.minimum(e, El - 1)
+    slot = (tile_end - tiles)[ec] * tile + r - (row_end - group_sizes)[ec]  # its row in the tiles
+    slot = jnp.where(e < El, slot, T * tile + r)  # out of range (and unique): padding rows are not placed
+    xt = jnp.zeros((T * tile, D), x.dtype).at[slot].set(x, mode="drop", unique_indices=True).reshape(T, tile, D)
+    te = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(T, dtype=tile_end.dtype), side="right"), El - 1)
+    g = jnp.einsum("tmd,tdf->tmf", xt, wg[te])  # te: expert of each tile (unused tiles: any, on zeros)
+    u = jnp.einsum("tmd,tdf->tmf", xt, wu[te])
+    y = jnp.einsum("tmf,tfd->tmd", jax.nn.silu(g) * u, wd[te]).reshape(T * tile, D)
+    return y.at[slot].get(mode="fill", fill_value=0)
 
 
 def _experts_batched(x, wg, wu, wd):
@@ -366,7 +458,7 @@ def _a2a(x, ep):
     return jax.lax.all_to_all(x, "expert", 0, 0, tiled=True) if ep > 1 else x
 
 
-def _receiver_experts(recv, rc, src_off, wg, wu, wd):
+def _receiver_experts(recv, rc, src_off, wg, wu, wd, *, matmul):
     """Run the local experts on rows received from every source.
 
     recv [M, D]: from source s, starting at row src_off[s], rc[s, 0] rows for local expert 0,
@@ -383,18 +475,18 @@ def _receiver_experts(recv, rc, src_off, wg, wu, wd):
     e_loc = jnp.where((g < ep * El) & (r >= starts[gc]), gc % El, El)  # El = padding, sorted last
     perm = jnp.argsort(e_loc, stable=True)
     x = checkpoint_name(recv[perm], "moe_in")
-    y = _experts_grouped(x, jnp.sum(rc, axis=0), wg, wu, wd)
+    y = _experts_grouped(x, jnp.sum(rc, axis=0), wg, wu, wd, matmul=matmul)
     inv = jnp.zeros((M,), jnp.int32).at[perm].set(jnp.arange(M, dtype=jnp.int32))
     return y[inv]
 
 
-def _dropless(xs, e_sorted, counts, wg, wu, wd, *, ep, a2a):
+def _dropless(xs, e_sorted, counts, wg, wu, wd, *, ep, a2a, matmul):
     """Expert outputs [A, D] for the assignments xs [A, D], sorted by expert; nothing dropped."""
     A, D = xs.shape
     E = counts.shape[0]
     El = E // ep
     if ep == 1:
-        return _experts_grouped(checkpoint_name(xs, "moe_in"), counts, wg, wu, wd)
+        return _experts_grouped(checkpoint_name(xs, "moe_in"), counts, wg, wu, wd, matmul=matmul)
     pc = jnp.sum(counts.reshape(ep, El), axis=1)  # assignments this device sends to each peer
     pstart = jnp.cumsum(pc) - pc  # where each peer's rows start in xs (sorted by expert)
     rc = _a2a(counts.reshape(ep, El), ep)  # [source, local expert]: rows each source sends here
@@ -406,7 +498,7 @@ def _dropless(xs, e_sorted, counts, wg, wu, wd, *, ep, a2a):
         out_off = (jnp.cumsum(allc, axis=0) - allc)[me]  # where my rows land in each peer's buffer
         recv = RAGGED_ALL_TO_ALL(xs, jnp.zeros((ep * A, D), xs.dtype), pstart, pc, out_off, recv_sizes,
                                  axis_name="expert")
-        y = _receiver_experts(recv, rc, recv_off, wg, wu, wd)
+        y = _receiver_experts(recv, rc, recv_off, wg, wu, wd, matmul=matmul)
         back_off = _a2a(pstart, ep)  # source s's pstart[me]: where its rows sit in its own xs
         return checkpoint_name(RAGGED_ALL_TO_ALL(y, jnp.zeros_like(xs), recv_off, recv_sizes, back_off, pc,
                                                  axis_name="expert"), "moe_out")
@@ -415,7 +507,7 @@ def _dropless(xs, e_sorted, counts, wg, wu, wd, *, ep, a2a):
     slot = peer * A + jnp.arange(A) - pstart[peer]
     buf = jnp.zeros((ep * A, D), xs.dtype).at[slot].set(xs, unique_indices=True)
     recv = _a2a(buf, ep)  # [source-major blocks of A rows]
-    y = _receiver_experts(recv, rc, jnp.arange(ep, dtype=rc.dtype) * A, wg, wu, wd)
+    y = _receiver_experts(recv, rc, jnp.arange(ep, dtype=rc.dtype) * A, wg, wu, wd, matmul=matmul)
     return checkpoint_name(_a2a(y, ep), "moe_out")[slot]
 
 
@@ -437,7 +529,7 @@ def _capacity(xs, e_sorted, counts, wg, wu, wd, *, ep, slots):
     return jnp.where(kept[:, None], y[jnp.minimum(slot, E * slots - 1)], 0), kept
 
 
-def _moe_local(x, w_router, bias, wg, wu, wd, *, cfg: ModelConfig, ep: int, a2a: str):
+def _moe_local(x, w_router, bias, wg, wu, wd, *, cfg: ModelConfig, ep: int, a2a: str, matmul: str):
     """The routed experts on one device's tokens x [B_l, T, D] (inside shard_map).
 
     Returns (output [B_l, T, D], stats): stats are summed over the data and expert axes.
@@ -453,7 +545,7 @@ def _moe_local(x, w_router, bias, wg, wu, wd, *, cfg: ModelConfig, ep: int, a2a:
     e_sorted, tok = flat[order], order // k
     xs = xt[tok]
     if cfg.dispatch == "dropless":
-        y = _dropless(xs, e_sorted, counts, wg, wu, wd, ep=ep, a2a=a2a)
+        y = _dropless(xs, e_sorted, counts, wg, wu, wd, ep=ep, a2a=a2a, matmul=matmul)
         dropped = jnp.zeros((), jnp.int32)
     else:
         y, kept = _capacity(xs, e_sorted, counts, wg, wu, wd, ep=ep, slots=capacity(cfg, N))
@@ -481,11 +573,12 @@ def moe_ffn(h, layer, cfg: ModelConfig):
                           f"got {mesh.axis_names if not mesh.empty else 'no mesh'}")
     dt, ep = h.dtype, mesh.shape["expert"]
     a2a = cfg.a2a if cfg.a2a != "auto" else ("ragged" if jax.default_backend() in ("gpu", "tpu") else "dense")
+    matmul = expert_matmul(cfg, jax.default_backend())
     ex, exd = P("expert", None, "model"), P("expert", "model", None)
     args = (h, reshard(layer["router"], P(None, None)), reshard(layer["router_bias"], P(None)),
             gather(layer["ex_gate"], ex, dt), gather(layer["ex_up"], ex, dt), gather(layer["ex_down"], exd, dt))
     routed, stats = jax.shard_map(
-        functools.partial(_moe_local, cfg=cfg, ep=ep, a2a=a2a),
+        functools.partial(_moe_local, cfg=cfg, ep=ep, a2a=a2a, matmul=matmul),
         in_specs=(P(BATCH, None, None), P(None, None), P(None), ex, ex, exd),
         out_specs=(P(BATCH, None, None), P()),
     )(*args)

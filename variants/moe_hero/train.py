@@ -311,6 +311,12 @@ def main(cfg: TrainConfig) -> dict:
             corpus.tokenizer.save(os.path.join(run_dir, "tokenizer.json"))
         log.write(f"{VARIANT}: {n_params / 1e6:.2f}M params, {fpt / 1e6:.1f} MFLOP/token, mesh {dict(mesh.shape)}, "
                   f"{tokens_per_step} tokens/step, steps {start}->{end}, run dir {run_dir}")
+        platform = jax.default_backend()
+        rows = cfg.batch_size // cfg.grad_accum // (mesh.shape["data"] * mesh.shape["expert"])
+        waste = model.expert_flops_ratio(cfg.model, rows * cfg.seq_len, platform, ep=cfg.mesh_expert)
+        how = cfg.model.dispatch + ("" if cfg.model.dispatch == "capacity" else f", {model.expert_matmul(cfg.model, platform)}")
+        log.write(f"routed experts execute {waste:.2f}x their active FLOPs on {platform} ({how}); "
+                  "MFU counts active FLOPs only (variants/moe_hero/README.md, 'On CPU')")
 
         def save(step, state):
             meta = {"config": dataclasses.asdict(cfg), "loader": loader.state(), "variant": VARIANT}
