@@ -271,11 +271,12 @@ def test_layers_run_in_pattern_order():
 
 def _layer_by_layer(params, tokens, cfg):
     x = params["embed"].at[tokens].get(out_sharding=P())
-    pos, docs = model.positions(tokens, None), model.documents(None, *tokens.shape)
+    angles = model.rope_angles(model.positions(tokens, None), cfg.head_dim, cfg.rope_theta)
+    docs = model.documents(None, *tokens.shape)
     ik = ia = 0
     for is_attn in model.attention_layers(cfg):
         if is_attn:
-            x = model.block(x, jax.tree.map(lambda w: w[ia], params["attn"]), pos, None, cfg)
+            x = model.block(x, jax.tree.map(lambda w: w[ia], params["attn"]), angles, None, cfg)
             ia += 1
         else:
             x = model.kda_block(x, jax.tree.map(lambda w: w[ik], params["kda"]), docs, None, cfg)

@@ -73,7 +73,7 @@ def _block_fn(cfg, backend):
     cfg = dataclasses.replace(cfg, attention_backend=backend, compute_dtype=dt)
     params = model.init(cfg, jax.random.key(0))
     layer = jax.tree.map(lambda w: w[0], params["layers"])
-    return jax.jit(lambda x, g: model.block(x, layer, model.positions(x[..., 0], None), None, g, cfg)), dt
+    return jax.jit(lambda x, g: model.block(x, layer, model.layer_angles(model.positions(x[..., 0], None), cfg), None, g, cfg)), dt
 
 
 @pytest.mark.parametrize("backend", kernels.available_backends())
@@ -231,9 +231,9 @@ def test_scanned_layers_match_an_unrolled_loop(over):
 
     def unrolled(params, tokens):
         x = params["embed"].at[tokens].get(out_sharding=P("data", None, None))
-        pos = model.positions(tokens, None)
+        angles = model.layer_angles(model.positions(tokens, None), cfg)
         for i, g in enumerate(model.global_layers(cfg)):
-            x = model.block(x, jax.tree.map(lambda w: w[i], params["layers"]), pos, None, g, cfg)
+            x = model.block(x, jax.tree.map(lambda w: w[i], params["layers"]), angles, None, g, cfg)
         return model.rms_norm(x, params["final_norm"], cfg.norm_eps)
 
     all_global = dataclasses.replace(cfg, global_every=1)

@@ -241,12 +241,19 @@ def positions(tokens, segment_ids):
     return t - jax.lax.cummax(jnp.where(starts, t, 0), axis=1)
 
 
-def rope(x, pos, theta):
-    """Rotary embedding on [B, T, H, hd] (rotate-half form), angles in fp32."""
-    half = x.shape[-1] // 2
+def rope_angles(pos, head_dim, theta):
+    """(cos, sin) [B, T, 1, head_dim/2] in fp32 for positions `pos` [B, T]: computed once per forward
+    pass and shared by every layer (the positions are the same in all of them)."""
+    half = head_dim // 2
     freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
     ang = pos[..., None].astype(jnp.float32) * freq  # [B, T, half]
-    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+    return jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+
+
+def rope(x, angles):
+    """Rotary embedding on [B, T, H, hd] (rotate-half form) with `rope_angles`, in fp32."""
+    cos, sin = angles
+    half = x.shape[-1] // 2
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -321,7 +328,7 @@ def kda_block(x, layer, docs, segment_ids, cfg: ModelConfig):
     return mlp(x, layer, cfg)
 
 
-def block(x, layer, pos, segment_ids, cfg: ModelConfig):
+def block(x, layer, angles, segment_ids, cfg: ModelConfig):
     """A softmax-attention layer (dense's) and its MLP."""
     dt = x.dtype
     B, T, _ = x.shape
@@ -331,7 +338,7 @@ def block(x, layer, pos, segment_ids, cfg: ModelConfig):
     q = jnp.einsum("btd,dq->btq", h, gather(layer["wq"], col, dt)).reshape(B, T, cfg.n_heads, cfg.head_dim, out_sharding=heads)
     k = jnp.einsum("btd,dk->btk", h, gather(layer["wk"], col, dt)).reshape(B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads)
     v = jnp.einsum("btd,dk->btk", h, gather(layer["wv"], col, dt)).reshape(B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads)
-    q, k = rope(q, pos, cfg.rope_theta), rope(k, pos, cfg.rope_theta)
+    q, k = rope(q, angles), rope(k, angles)
     o = kernels.attention(q, k, v, segment_ids=segment_ids, causal=True, backend=cfg.attention_backend)
     o = o.reshape(B, T, cfg.n_heads * cfg.head_dim, out_sharding=P("data", None, "model"))
     x = x + jnp.einsum("btq,qd->btd", o, gather(layer["wo"], row, dt), out_sharding=P("data", None, None))
@@ -349,14 +356,14 @@ def hidden_states(params, tokens, cfg: ModelConfig, *, segment_ids=None):
     """Final-norm hidden states [B, T, D] in the compute dtype."""
     dt = jnp.dtype(cfg.compute_dtype)
     x = reshard(params["embed"], P(None, None)).at[tokens].get(out_sharding=P("data", None, None)).astype(dt)
-    pos = positions(tokens, segment_ids)
+    angles = rope_angles(positions(tokens, segment_ids), cfg.head_dim, cfg.rope_theta)
     docs = documents(segment_ids, *tokens.shape)
 
     def kda_step(x, layer):
         return kda_block(x, layer, docs, segment_ids, cfg), None
 
     def attn_step(x, layer):
-        return block(x, layer, pos, segment_ids, cfg), None
+        return block(x, layer, angles, segment_ids, cfg), None
 
     if cfg.remat != "none":
         kda_step = jax.checkpoint(kda_step, policy=REMAT[cfg.remat])

@@ -338,12 +338,25 @@ def positions(tokens, segment_ids):
     return t - jax.lax.cummax(jnp.where(starts, t, 0), axis=1)
 
 
-def rope(x, pos, theta):
-    """Rotary embedding on [B, T, H, hd] (rotate-half form), angles in fp32."""
-    half = x.shape[-1] // 2
+def rope_angles(pos, head_dim, theta):
+    """(cos, sin) [B, T, 1, head_dim/2] in fp32 for positions `pos` [B, T]: computed once per forward
+    pass and shared by every layer (the positions are the same in all of them)."""
+    half = head_dim // 2
     freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
     ang = pos[..., None].astype(jnp.float32) * freq  # [B, T, half]
-    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+    return jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+
+
+def layer_angles(pos, cfg: ModelConfig) -> dict:
+    """The RoPE tables of the local and the global layers, made once per forward pass."""
+    return {"local": rope_angles(pos, cfg.head_dim, cfg.local_rope_theta),
+            "global": rope_angles(pos, cfg.head_dim, cfg.global_rope_theta)}
+
+
+def rope(x, angles):
+    """Rotary embedding on [B, T, H, hd] (rotate-half form) with `rope_angles`, in fp32."""
+    cos, sin = angles
+    half = x.shape[-1] // 2
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -353,24 +366,24 @@ def gather(w, spec, dtype):
     return reshard(w, spec).astype(dtype)
 
 
-def attend(q, k, v, pos, segment_ids, is_global, cfg: ModelConfig):
+def attend(q, k, v, angles, segment_ids, is_global, cfg: ModelConfig):
     """Attention of one layer: the sliding-window branch or the global one, chosen by data."""
 
     def local(q, k, v):
-        q, k = rope(q, pos, cfg.local_rope_theta), rope(k, pos, cfg.local_rope_theta)
+        q, k = rope(q, angles["local"]), rope(k, angles["local"])
         return kernels.attention(q, k, v, segment_ids=segment_ids, causal=True, window=cfg.window,
                                  softcap=cfg.attn_softcap, backend=cfg.attention_backend)
 
     def global_(q, k, v):
         if cfg.global_rope == "rope":
-            q, k = rope(q, pos, cfg.global_rope_theta), rope(k, pos, cfg.global_rope_theta)
+            q, k = rope(q, angles["global"]), rope(k, angles["global"])
         return kernels.attention(q, k, v, segment_ids=segment_ids, causal=True, window=None,
                                  softcap=cfg.attn_softcap, backend=cfg.attention_backend)
 
     return jax.lax.cond(is_global, global_, local, q, k, v)
 
 
-def attention(x, layer, pos, segment_ids, is_global, cfg: ModelConfig):
+def attention(x, layer, angles, segment_ids, is_global, cfg: ModelConfig):
     """x + the attention sub-block's output."""
     dt = x.dtype
     B, T, _ = x.shape
@@ -381,7 +394,7 @@ def attention(x, layer, pos, segment_ids, is_global, cfg: ModelConfig):
     v = jnp.einsum("btd,dk->btk", h, gather(layer["wv"], col, dt)).reshape(B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads)
     if cfg.qk_norm:  # per-head RMSNorm over head_dim, one learned scale vector per layer
         q, k = rms_norm(q, layer["q_norm"], cfg.norm_eps), rms_norm(k, layer["k_norm"], cfg.norm_eps)
-    o = attend(q, k, v, pos, segment_ids, is_global, cfg)
+    o = attend(q, k, v, angles, segment_ids, is_global, cfg)
     if cfg.head_gate:
         o = o * (2 * jax.nn.sigmoid(layer["head_gate"].astype(jnp.float32))).astype(dt)[:, None]
     o = o.reshape(B, T, cfg.n_heads * cfg.head_dim, out_sharding=P(BATCH, None, "model"))
@@ -604,17 +617,17 @@ def hidden_states(params, tokens, cfg: ModelConfig, *, segment_ids=None):
     if segment_ids is not None:
         segment_ids = reshard(segment_ids, P(BATCH, None))
     x = reshard(params["embed"], P(None, None)).at[tokens].get(out_sharding=P(BATCH, None, None)).astype(dt)
-    pos = positions(tokens, segment_ids)
+    angles = layer_angles(positions(tokens, segment_ids), cfg)
 
     def dense_step(x, layer_and_kind):
         layer, is_global = layer_and_kind
-        x = attention(x, layer, pos, segment_ids, is_global, cfg)
+        x = attention(x, layer, angles, segment_ids, is_global, cfg)
         h = rms_norm(x, layer["mlp_norm"], cfg.norm_eps)
         return x + swiglu(h, layer["w_gate"], layer["w_up"], layer["w_down"]), None
 
     def moe_step(x, layer_and_kind):
         layer, is_global = layer_and_kind
-        x = attention(x, layer, pos, segment_ids, is_global, cfg)
+        x = attention(x, layer, angles, segment_ids, is_global, cfg)
         y, stats = moe_ffn(rms_norm(x, layer["mlp_norm"], cfg.norm_eps), layer, cfg)
         return x + y, stats
 
