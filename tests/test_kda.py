@@ -1,7 +1,8 @@
 """shared/kernels/kda.py and variants/kda: the chunked KDA kernel against the one-token-at-a-time
 recurrence (outputs, final state, gradients), document resets, the Gated DeltaNet special
-case, strong decay, the Pallas kernel (interpret mode, CUDA lowering), FLOP accounting as
-computed, and the variant's layer pattern, convolution and sharding.
+case, the public building blocks (unit_lower_inverse, reshape, runs, run_masks), strong
+decay, the Pallas kernel (interpret mode, CUDA lowering), FLOP accounting as computed, and
+the variant's layer pattern, convolution and sharding.
 """
 
 import dataclasses
@@ -131,6 +132,69 @@ def test_equal_gate_across_channels_is_gated_delta_net():
     g = jnp.asarray(np.repeat(log_alpha[..., None], Dk, axis=-1), jnp.float32)
     o, _ = jax.jit(lambda *a: K.kda(*a, chunk_size=16))(q, k, v, g, beta)
     close(o, gated_delta_net(q, k, v, np.exp(log_alpha), beta, Dk**-0.5), 1e-5, "KDA with a scalar gate vs Gated DeltaNet")
+
+
+# ---------------------------------------------------------------- the public building blocks
+
+@pytest.mark.parametrize("n", [1, 2, 16, 64])
+def test_unit_lower_inverse_is_the_inverse(n):
+    """M^-1 M = I for unit lower-triangular blocks; what lies above the diagonal is never read."""
+    rng = np.random.default_rng(n)
+    M = np.tril(rng.standard_normal((2, 3, n, n)) * 0.3, -1) + np.eye(n)
+    inv = np.asarray(jax.jit(K.unit_lower_inverse)(jnp.asarray(M, jnp.float32)))
+    np.testing.assert_allclose(inv @ M, np.broadcast_to(np.eye(n), M.shape), atol=2e-5)
+    np.testing.assert_allclose(inv, np.linalg.inv(M), rtol=1e-4, atol=1e-5)
+    upper = M + np.triu(rng.standard_normal(M.shape), 1)  # garbage above the diagonal
+    np.testing.assert_array_equal(np.asarray(K.unit_lower_inverse(jnp.asarray(upper, jnp.float32))),
+                                  np.asarray(K.unit_lower_inverse(jnp.asarray(M, jnp.float32))))
+
+
+def test_reshape_round_trips_and_keeps_the_leading_sharding():
+    """[B, H, T, K] -> [B, H, N, C, K] -> back under a data=4 x model=2 mesh: the same values,
+    rows and heads sharded as before, the rest unsharded."""
+    x = np.random.default_rng(0).standard_normal((4, 2, 24, 3)).astype(np.float32)
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("data", "model", None, None)))
+        chunked = jax.jit(lambda a: K.reshape(a, (4, 2, 3, 8, 3), 2))(xs)
+        back = jax.jit(lambda a: K.reshape(a, (4, 2, 24, 3), 2))(chunked)
+    assert chunked.sharding.spec == P("data", "model", None, None, None)
+    assert back.sharding.spec == P("data", "model", None, None)
+    np.testing.assert_array_equal(np.asarray(chunked), x.reshape(4, 2, 3, 8, 3))
+    np.testing.assert_array_equal(np.asarray(back), x)
+
+
+def _same_document(ids, i, j):
+    """Brute force from segment ids: tokens i and j (padding = the last token) lie in one run of equal ids."""
+    i, j = sorted((min(i, len(ids) - 1), min(j, len(ids) - 1)))
+    return bool(np.all(ids[i:j + 1] == ids[i]))
+
+
+@pytest.mark.parametrize("T,C", [(21, 4), (16, 8), (5, 8)])
+def test_runs_and_run_masks_match_a_brute_force_construction(T, C):
+    """runs: the document index; run_masks: same / reads / keeps / carries, each built here token by
+    token from the segment ids (documents are runs of equal ids; an id that comes back is a new one)."""
+    rng = np.random.default_rng(T + C)
+    ids = np.stack([np.repeat([5, 2, 5, 7], [3, 5, 1, T]), rng.integers(0, 2, T + 9)])[:, :T].astype(np.int32)
+    ids[1, C:2 * C] = 9  # a document that starts on a chunk boundary and fills the chunk
+    B, N = ids.shape[0], -(-T // C)
+    doc = np.asarray(K.runs(jnp.asarray(ids), B, T))
+    for b in range(B):
+        assert doc[b, 0] == 0 and all(doc[b, t] == doc[b, t - 1] + (ids[b, t] != ids[b, t - 1]) for t in range(1, T))
+    np.testing.assert_array_equal(np.asarray(K.runs(None, B, T)), np.zeros((B, T)))
+    same, reads, keeps, carries = (np.asarray(m) for m in K.run_masks(jnp.asarray(doc), C))
+    assert same.shape == (B, N, C, C) and reads.shape == keeps.shape == (B, N, C) and carries.shape == (B, N, 1)
+    for b in range(B):
+        sd = lambda i, j: float(_same_document(ids[b], i, j))  # noqa: E731
+        for n in range(N):
+            before, end = max(n * C - 1, 0), n * C + C - 1  # the incoming state's token (chunk 0: token 0), the last
+            assert carries[b, n, 0] == sd(before, end), (b, n)
+            for t in range(C):
+                tt = n * C + t
+                assert reads[b, n, t] == sd(before, tt), (b, n, t)
+                assert keeps[b, n, t] == sd(tt, end), (b, n, t)
+                for s in range(C):
+                    assert same[b, n, t, s] == sd(tt, n * C + s), (b, n, t, s)
 
 
 # ---------------------------------------------------------------- strong decay

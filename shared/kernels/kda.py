@@ -22,6 +22,18 @@ Entry points:
   kda_recurrent(...)  `jax.lax.scan` over time, one token at a time: the reference.
   kda_flops_per_token(...)  the matmul FLOPs of `kda` as it computes them.
 
+Special cases are calls of `kda`, not new kernels: Gated DeltaNet (a scalar gate per head
+and token) is g equal across the K channels (tests/test_kda.py checks it against its own
+rule), DeltaNet is g = 0. A variant with a different chunked recurrence copies `kda` (and
+the private helpers it uses, `_pairwise`, `_after`) into its model.py and imports the public
+building blocks, each tested on its own in tests/test_kda.py:
+  reshape(x, shape, lead)     a reshape that keeps the sharding of the leading (row, head) axes;
+  runs(segment_ids, B, T)     the document index of every token;
+  run_masks(doc, chunk_size)  the chunked algorithm's document masks (same, reads, keeps, carries);
+  unit_lower_inverse(M)       (I + A)^-1 of unit lower-triangular blocks, by matmuls.
+A copy keeps the XLA:CPU workaround described in `kda`'s docstring (the optimization
+barrier on delta) and its regression test. See AGENTS.md, "Where a kernel lives".
+
 The chunked algorithm (WY / UT transform), per chunk of C tokens with the state S_0 at its
 start and G = the cumulative sum of g inside the chunk (G_t = sum_{s<=t} g_s, <= 0):
 
@@ -87,8 +99,14 @@ class KDAError(ValueError):
     """A call `kda` cannot run as asked (shapes, chunk size, implementation)."""
 
 
-def _reshape(x, shape, lead: int):
-    """Reshape keeping the sharding of the first `lead` axes; every other axis unsharded."""
+def reshape(x, shape, lead: int):
+    """`x.reshape(shape)` under an explicit mesh: the first `lead` axes keep x's sharding, the rest are unsharded.
+
+    The first `lead` axes must be the same in x and `shape` (e.g. B, H); the rest may split or
+    merge freely, e.g. the chunk reshape [B, H, T, K] -> [B, H, N, C, K] (T = N * C) with
+    lead=2, and back. Under explicit sharding a plain `x.reshape` of a sharded array needs an
+    `out_sharding`; this gives it one that keeps rows and heads where they were.
+    """
     return x.reshape(shape, out_sharding=named(*spec(x)[:lead], *([None] * (len(shape) - lead))))
 
 
@@ -123,12 +141,41 @@ def pallas_refuses(K: int, chunk_size: int) -> str | None:
     return None
 
 
-def _runs(segment_ids, B, T):
-    """Document index of every token: 0, 1, 2, ... counting the places where the id changes."""
+def runs(segment_ids, B: int, T: int):
+    """Document index [B, T] int32 of every token: 0, 1, 2, ... counting the places where the id changes.
+
+    segment_ids [B, T] (or None: one document, all zeros). A document is a run of equal ids,
+    so ids 5,5,2,2,5 give 0,0,1,1,2 (an id that comes back starts a new document).
+    """
     if segment_ids is None:
         return jnp.zeros((B, T), jnp.int32)
     change = segment_ids[:, 1:] != segment_ids[:, :-1]
     return jnp.concatenate([jnp.zeros_like(segment_ids[:, :1]), jnp.cumsum(change, axis=1, dtype=jnp.int32)], axis=1)
+
+
+def run_masks(doc, chunk_size: int):
+    """The document masks of the chunked algorithm, from the document index doc [B, T] (`runs`).
+
+    T is padded to N = ceil(T / C) whole chunks of C = chunk_size tokens; padding tokens
+    belong to the row's last document. Returns four float32 0/1 arrays, with t, s tokens of
+    chunk n and "the incoming state" the state at the chunk's start (the token before it):
+      same    [B, N, C, C]  t and s are in the same document (masks the pairwise A and Aqk);
+      reads   [B, N, C]     t is in the incoming state's document (t reads S_0);
+      keeps   [B, N, C]     t is in the chunk's last document (t still counts in S_C);
+      carries [B, N, 1]     the incoming state survives the chunk (S_0 and the last token share
+                            a document).
+    Chunk 0's incoming state belongs to token 0's document (the initial state feeds it).
+    """
+    B, T = doc.shape
+    C = chunk_size
+    N = -(-T // C)
+    doc = jnp.concatenate([doc, jnp.broadcast_to(doc[:, -1:], (B, N * C - T))], axis=1)  # padding: last document
+    doc = reshape(doc, (B, N, C), 1)
+    prev = jnp.concatenate([doc[:, :1, :1], doc[:, :-1, -1:]], axis=1)  # [B, N, 1]: the token before each chunk
+    last = doc[..., -1:]
+    f32 = jnp.float32
+    return ((doc[..., :, None] == doc[..., None, :]).astype(f32), (doc == prev).astype(f32),
+            (doc == last).astype(f32), (last == prev).astype(f32))
 
 
 # ---------------------------------------------------------------- the reference: one token at a time
@@ -140,8 +187,8 @@ def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, segment_i
     _check(q, k, v, g, beta, initial_state, segment_ids, 1, "xla")
     scale = K**-0.5 if scale is None else scale
     f32 = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 0)  # noqa: E731 [T, B, ...]
-    runs = _runs(segment_ids, B, T)
-    start = jnp.concatenate([jnp.zeros((B, 1), bool), runs[:, 1:] != runs[:, :-1]], axis=1)
+    doc = runs(segment_ids, B, T)
+    start = jnp.concatenate([jnp.zeros((B, 1), bool), doc[:, 1:] != doc[:, :-1]], axis=1)
     b, _, h, _ = spec(q)
     S0 = (jnp.zeros((B, H, K, V), jnp.float32, out_sharding=named(b, h, None, None)) if initial_state is None
           else initial_state.astype(jnp.float32))
@@ -175,8 +222,8 @@ def _pairwise(x, y, g):
     left = y[..., :h, :] * jnp.exp(_after(g1))  # s in the first half: decay from s to its last token m
     right = x[..., h:, :] * jnp.exp(jnp.cumsum(g2, axis=-2))  # t in the second half: decay from m to t
     low = jnp.einsum("...tc,...sc->...ts", right, left)  # [..., M, h, h]
-    halves = lambda z: _reshape(z, (*lead, 2 * M, h, z.shape[-1]), len(lead))  # noqa: E731
-    sub = _reshape(_pairwise(halves(x), halves(y), halves(g)), (*lead, M, 2 * h, h), len(lead))
+    halves = lambda z: reshape(z, (*lead, 2 * M, h, z.shape[-1]), len(lead))  # noqa: E731
+    sub = reshape(_pairwise(halves(x), halves(y), halves(g)), (*lead, M, 2 * h, h), len(lead))
     top = jnp.concatenate([sub[..., :h, :], jnp.zeros_like(low)], axis=-1)
     bottom = jnp.concatenate([low, sub[..., h:, :]], axis=-1)
     return jnp.concatenate([top, bottom], axis=-2)
@@ -188,10 +235,15 @@ def _after(g):
     return jax.lax.cumsum(later, axis=later.ndim - 2, reverse=True)
 
 
-def _unit_lower_inverse(M):
+def unit_lower_inverse(M):
     """Inverse of unit lower-triangular blocks M [..., m, n, n] (n a power of 2) by 2x2 block recursion.
 
-    [[P, 0], [R, Q]]^-1 = [[P^-1, 0], [-Q^-1 R P^-1, Q^-1]]: matmuls only, rank kept fixed.
+    M must have ones on the diagonal and zeros above it; what lies above the diagonal is not
+    read (the result is lower triangular). [[P, 0], [R, Q]]^-1 = [[P^-1, 0], [-Q^-1 R P^-1, Q^-1]]:
+    matmuls only, log2(n) levels, no triangular solve, and the rank stays fixed (the two
+    diagonal halves become blocks of their own, m -> 2m; XLA:CPU limits tensor rank). The
+    chunked algorithm's T = (I + A)^-1 is this on [B, H, N, C, C]. The leading axes keep their
+    sharding; the last three must be unsharded.
     """
     *lead, m, n, _ = M.shape
     if n == 1:
@@ -199,7 +251,7 @@ def _unit_lower_inverse(M):
     h = n // 2
     R = M[..., h:, :h]
     diag = jnp.concatenate([M[..., :h, :h], M[..., h:, h:]], axis=-2)  # [..., m, 2h, h]
-    sub = _reshape(_unit_lower_inverse(_reshape(diag, (*lead, 2 * m, h, h), len(lead))), (*lead, m, 2 * h, h),
+    sub = reshape(unit_lower_inverse(reshape(diag, (*lead, 2 * m, h, h), len(lead))), (*lead, m, 2 * h, h),
                    len(lead))
     Pi, Qi = sub[..., :h, :], sub[..., h:, :]
     low = -jnp.einsum("...ij,...jk,...kl->...il", Qi, R, Pi)
@@ -215,7 +267,19 @@ def _pairwise_xla(q, k, g):
 
 
 def kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None, chunk_size=64, impl="xla"):
-    """Chunked KDA (see the module docstring). Returns (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] fp32)."""
+    """Chunked KDA (see the module docstring). Returns (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] fp32).
+
+    XLA:CPU miscompile workaround, to keep in any copy of this algorithm: the per-chunk
+    corrected values `delta` (U - W S_0, an output of the `lax.scan` over chunks) pass
+    through `jax.lax.optimization_barrier` before the output einsums. Without it XLA:CPU
+    (jaxlib 0.10.2) fused across the scan's output in the one-chunk case (T <= chunk_size,
+    no initial state) inside the model, and compiled a program whose output changed from
+    one compilation to the next (garbage up to 1e22). The barrier costs nothing (the scan
+    materialises delta anyway). It showed inside a model layer, so the regression test,
+    tests/test_kda.py::test_one_chunk_layer_compiles_to_the_same_result_every_time, compiles a
+    KDA layer three times and compares; a copy keeps the barrier and gets the same test for its
+    own layer.
+    """
     _check(q, k, v, g, beta, initial_state, segment_ids, chunk_size, impl)
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -229,20 +293,12 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None, c
     def chunks(x):  # [B, T, H, ...] -> [B, H, N, C, ...] fp32, padded with zeros (no effect: beta = g = 0)
         x = jnp.pad(x.astype(f32), [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
         x = jnp.moveaxis(x, 1, 2)  # [B, H, Tp, ...]
-        return _reshape(x, (B, H, N, C) + x.shape[3:], 2)
+        return reshape(x, (B, H, N, C) + x.shape[3:], 2)
 
     qc, kc, vc, gc, bc = chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta)  # bc: [B, H, N, C]
     G = jnp.cumsum(gc, axis=-2)  # inclusive, restarting in every chunk
 
-    runs = _runs(segment_ids, B, T)
-    runs = jnp.concatenate([runs, jnp.broadcast_to(runs[:, -1:], (B, Tp - T))], axis=1)  # padding: last document
-    runs = _reshape(runs, (B, N, C), 1)[:, None]  # [B, 1, N, C]
-    prev = jnp.concatenate([runs[..., :1, :1], runs[..., :-1, -1:]], axis=-2)  # run of the token before each chunk
-    same = (runs[..., :, None] == runs[..., None, :]).astype(f32)  # [B, 1, N, C, C]
-    reads = (runs == prev).astype(f32)  # token reads the incoming state
-    last = runs[..., -1:]
-    keeps = (runs == last).astype(f32)  # token still counts at the chunk's end
-    carries = (last == prev).astype(f32)  # the incoming state survives the chunk
+    same, reads, keeps, carries = (m[:, None] for m in run_masks(runs(segment_ids, B, T), C))  # [B, 1, N, ...]
 
     if impl == "xla":
         Akk, Aqk = _pairwise_xla(qc, kc, gc)
@@ -250,7 +306,7 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None, c
         Akk, Aqk = _pairwise_pallas(qc, kc, gc, impl == "pallas_interpret")
     A = bc[..., None] * Akk * same
     Aqk = scale * Aqk * same
-    Tinv = _unit_lower_inverse(A + jnp.eye(C, dtype=f32))
+    Tinv = unit_lower_inverse(A + jnp.eye(C, dtype=f32))
     decay_in = jnp.exp(G) * reads[..., None]  # [B, H, N, C, K]
     W = jnp.einsum("...ts,...sk->...tk", Tinv, bc[..., None] * decay_in * kc)
     U = jnp.einsum("...ts,...sv->...tv", Tinv, bc[..., None] * vc)
@@ -269,13 +325,11 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None, c
     along = lambda x: jnp.moveaxis(x, 2, 0)  # noqa: E731 [B, H, N, ...] -> [N, B, H, ...]
     S, (S_in, delta) = jax.lax.scan(step, S0, (along(W), along(U), along(Kout), along(decay_all)))
     S_in, delta = jnp.moveaxis(S_in, 0, 2), jnp.moveaxis(delta, 0, 2)  # [B, H, N, K, V], [B, H, N, C, V]
-    # delta is materialised by the scan anyway; the barrier keeps XLA from fusing across it. Without
-    # it, XLA:CPU (jaxlib 0.10.2) compiled the one-chunk case (T <= chunk_size, no initial state)
-    # inside the model into a program whose output changed from one compilation to the next.
+    # The XLA:CPU miscompile workaround (see the docstring): no fusion across the scan's output.
     delta = jax.lax.optimization_barrier(delta)
     o = (jnp.einsum("bhntk,bhnkv->bhntv", scale * decay_in * qc, S_in)
          + jnp.einsum("bhnts,bhnsv->bhntv", Aqk, delta))
-    o = jnp.moveaxis(_reshape(o, (B, H, Tp, V), 2), 1, 2)[:, :T]  # [B, T, H, V]
+    o = jnp.moveaxis(reshape(o, (B, H, Tp, V), 2), 1, 2)[:, :T]  # [B, T, H, V]
     return o.astype(v.dtype), S
 
 
