@@ -46,6 +46,7 @@ def parse(config_cls, variant_dir: str, argv: list[str] | None = None):
         handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
+        log.propagate = False  # printed once, by this handler, even after a library sets up the root logger
     known = presets(variant_dir)
     preset = None
     for i, a in enumerate(argv):

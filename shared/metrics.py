@@ -1,7 +1,9 @@
 """Run metrics: a JSONL file always, Weights & Biases when possible, and a progress bar.
 
 The run directory gets metrics.jsonl (one JSON object per logged step; NaN/inf as
-strings) and config.json (the run's config, for tools such as tools/compare_runs.py).
+strings) and config.json (the run's config, for tools such as tools/compare_runs.py, plus
+what `Logger.record` adds once the run knows it: e.g. "kernels", the backend each kernel op
+took, which is decided while the first step compiles).
 
 wandb mode "auto": online when the user is logged in (WANDB_API_KEY, or `wandb login`'s
 entry in ~/.netrc), otherwise offline with a one-line notice (sync later with
@@ -63,7 +65,8 @@ class Logger:
         if wandb_mode not in ("auto", "online", "offline", "disabled"):
             raise ValueError(f"wandb mode must be auto, online, offline or disabled, got {wandb_mode!r}")
         os.makedirs(run_dir, exist_ok=True)
-        write_config(run_dir, config)
+        self.run_dir, self.config = run_dir, dict(config)
+        write_config(run_dir, self.config)
         self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         mode = wandb_mode
         if mode == "auto":
@@ -87,6 +90,16 @@ class Logger:
         self.file.flush()
         if self.run is not None:
             self.run.log({k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}, step=step)
+
+    def record(self, key: str, value) -> None:
+        """Add `key` to the run's config.json (and wandb's config): facts known only once the run
+        has started, such as which kernel backends its compiled step uses."""
+        if not self.active:
+            return
+        self.config[key] = value
+        write_config(self.run_dir, self.config)
+        if self.run is not None:
+            self.run.config.update({key: value}, allow_val_change=True)
 
     def progress(self, step: int, **shown) -> None:
         """Advance the bar to `step` and show e.g. loss=..., tok_s=..., mfu=..."""

@@ -1,8 +1,11 @@
 """shared/kernels GPU backends, as far as a CPU machine can check them.
 
-- Dispatch: `auto` takes the reference on CPU for every op; a backend named explicitly (by
-  argument or STENCIL_KERNELS) that cannot run says why and never falls back; a backend
-  that cannot express a mask refuses.
+- Dispatch: the GPU backends are unavailable on CPU and `auto` takes the reference there for
+  every op; a backend named explicitly (by argument or STENCIL_KERNELS) that cannot run says
+  why and never falls back; a backend that cannot express a mask refuses; every choice,
+  named or `auto`, is logged once and recorded (`kernels.choices()`).
+- A CPU-capable backend (a test-only one): available on CPU, listed by `usable` only for the
+  calls it does not refuse, run when named, passed over by `auto` until measured on CPU.
 - Pallas attention: our kernels in interpret mode against the reference (forward and
   gradients, every mask), also per device under a mesh; lowering for CUDA.
 - The torch glue (FlashAttention-4, QuACK RMSNorm and cross-entropy): run on CPU with torch
@@ -10,6 +13,7 @@
   VJPs and the per-device split are checked; the kernels themselves need a GPU.
 - The Triton convolution kernels under Triton's interpreter (a subprocess).
 - The optional packages of the `kernels` extra import on a CPU machine.
+- The self-check: a wrong backend fails it, a crashing one too, a refusal is reported and does not.
 """
 
 import importlib
@@ -31,6 +35,7 @@ A = importlib.import_module("shared.kernels.attention")
 CE = importlib.import_module("shared.kernels.cross_entropy")
 NORM = importlib.import_module("shared.kernels.rms_norm")
 CONV = importlib.import_module("shared.kernels.conv")
+DISPATCH = importlib.import_module("shared.kernels.dispatch")
 PALLAS = importlib.import_module("shared.kernels.pallas_attention")
 
 
@@ -50,15 +55,120 @@ def mesh42():
 
 # ---------------------------------------------------------------- dispatch
 
-def test_auto_takes_the_reference_on_cpu_for_every_op(monkeypatch):
+GPU_ONLY = {"attention": ("cudnn", "flash4", "pallas"), "cross_entropy": ("quack",), "rms_norm": ("quack",),
+            "short_conv": ("triton",)}
+
+
+@pytest.fixture
+def fresh_record(monkeypatch):
+    """An empty record of dispatch choices (and of what was logged) for this test."""
+    monkeypatch.setattr(DISPATCH, "_choices", {})
+    monkeypatch.setattr(DISPATCH, "_logged", set())
+
+
+def test_auto_takes_the_reference_on_cpu_for_every_op(monkeypatch, fresh_record):
+    """The GPU backends are unavailable on CPU, and `auto` takes the reference for every op there: no
+    backend that runs on CPU has a CPU measurement showing it pays (shared/kernels/dispatch.py). Other
+    CPU-capable backends may be available; one that enters `auto` on CPU changes this test, with its figure."""
     monkeypatch.delenv("STENCIL_KERNELS", raising=False)
-    for op in kernels.REGISTRIES:
-        assert kernels.available_backends(op) == ["reference"], op
+    assert set(GPU_ONLY) == set(kernels.REGISTRIES)
+    for op, gpu in GPU_ONLY.items():
+        here = kernels.available_backends(op)
+        assert "reference" in here and not set(gpu) & set(here), (op, here)
     rng = np.random.default_rng(0)
     x, w = rand(rng, 2, 5, 8), jnp.ones(8)
     np.testing.assert_allclose(kernels.rms_norm(x, w, eps=1e-5), NORM.reference(x, w, eps=1e-5))
     taps, docs = rand(rng, 4, 8), jnp.zeros((2, 5), jnp.int32)
     np.testing.assert_allclose(kernels.short_conv(x, taps, docs), CONV.reference(x, taps, docs))
+    q = rand(rng, 1, 8, 2, 16)
+    kernels.attention(q, q, q, window=4)
+    kernels.cross_entropy(x, rand(rng, 8, 16), jnp.zeros((2, 5), jnp.int32), jnp.ones((2, 5)))
+    chosen = kernels.choices()
+    assert set(chosen) == set(GPU_ONLY) and all(list(per) == ["reference"] for per in chosen.values()), chosen
+
+
+def test_every_choice_is_logged_once_and_recorded(monkeypatch, fresh_record, caplog):
+    """Named and `auto` choices alike: one log line per (op, backend, call shape), and kernels.choices()."""
+    monkeypatch.delenv("STENCIL_KERNELS", raising=False)
+    q, q2 = jnp.ones((1, 8, 2, 16)), jnp.ones((1, 16, 2, 16))
+    with caplog.at_level("INFO", logger="stencil.kernels"):
+        for _ in range(2):
+            kernels.attention(q, q, q, backend="reference")
+            kernels.attention(q, q, q, window=4)
+            kernels.attention(q2, q2, q2)
+        monkeypatch.setenv("STENCIL_KERNELS", "rms_norm=reference")
+        kernels.rms_norm(jnp.ones((2, 8)), jnp.ones(8))
+    lines = [r.getMessage() for r in caplog.records if r.name == "stencil.kernels"]
+    assert len(lines) == 4, lines
+    assert "attention backend reference for q(1, 8, 2, 16) window=None (named)" in lines
+    assert any(ln.startswith("attention backend reference for q(1, 8, 2, 16) window=4 (auto; skipped cudnn")
+               for ln in lines), lines
+    assert "rms_norm backend reference for x(2, 8) (named by STENCIL_KERNELS)" in lines
+    assert kernels.choices() == {
+        "attention": {"reference": ["q(1, 8, 2, 16) window=None", "q(1, 8, 2, 16) window=4",
+                                    "q(1, 16, 2, 16) window=None"]},
+        "rms_norm": {"reference": ["x(2, 8)"]}}
+    kernels.choices()["attention"]["reference"].clear()  # a copy: the record is not changed through it
+    assert len(kernels.choices()["attention"]["reference"]) == 3
+
+
+# ---------------------------------------------------------------- a backend that runs on CPU
+
+def _no_windows(c):
+    return "this test backend has no sliding window" if c.window is not None else None
+
+
+@pytest.fixture
+def cpu_backend(monkeypatch):
+    """A test-only attention backend that runs on CPU (the reference's math, counted), refuses windows,
+    and is not measured to pay on CPU; first in `auto`'s order. Returns the list its runs append to."""
+    ran = []
+
+    def run(q, k, v, **kw):
+        ran.append(kw.get("window"))
+        return A.reference(q, k, v, **kw)
+
+    b = A.Backend("cpu_test", lambda: None, _no_windows, run, lambda c: DISPATCH.not_measured_here("gpu"))
+    registry = {"cpu_test": b, **A.BACKENDS}
+    monkeypatch.setattr(A, "BACKENDS", registry)
+    monkeypatch.setitem(kernels.REGISTRIES, "attention", registry)
+    return ran
+
+
+def test_a_cpu_backend_is_usable_only_for_the_calls_it_does_not_refuse(cpu_backend, monkeypatch, fresh_record):
+    monkeypatch.delenv("STENCIL_KERNELS", raising=False)
+    assert kernels.available_backends("attention") == ["cpu_test", "reference"]
+    rng = np.random.default_rng(4)
+    q, k, v = rand(rng, 2, 8, 4, 16), rand(rng, 2, 8, 2, 16), rand(rng, 2, 8, 2, 16)
+    call = lambda window: kernels.AttentionCall(q.shape, k.shape, q.dtype, True, window, False)  # noqa: E731
+    assert kernels.usable("attention", call(None)) == ["cpu_test", "reference"]
+    assert kernels.usable("attention", call(4)) == ["reference"]
+    assert kernels.refusal("attention", "cpu_test", call(4)) == "this test backend has no sliding window"
+    assert kernels.refusal("attention", "cpu_test", call(None)) is None
+    assert kernels.refusal("attention", "cudnn", call(None)).startswith("cuDNN attention takes bfloat16")  # any machine
+    assert kernels.refusal("attention", "nope", call(None)).startswith("unknown backend 'nope'")
+    assert kernels.refusal("attention", "auto", call(4)) is None
+    # named: it runs (and equals the reference), or raises with its reason; never falls back
+    close(kernels.attention(q, k, v, backend="cpu_test"), A.reference(q, k, v), 1e-6, "cpu_test")
+    assert cpu_backend == [None]
+    with pytest.raises(kernels.AttentionError, match="'cpu_test' cannot run this call: .*no sliding window") as e:
+        kernels.attention(q, k, v, window=4, backend="cpu_test")
+    assert e.value.refusal == "this test backend has no sliding window"
+    # auto: not measured on CPU, so passed over in favour of the reference
+    kernels.attention(q, k, v)
+    assert cpu_backend == [None] and list(kernels.choices()["attention"]) == ["cpu_test", "reference"]
+    # once a CPU measurement lets it into `auto`, auto takes it where it does not refuse
+    b = A.BACKENDS["cpu_test"]
+    monkeypatch.setitem(A.BACKENDS, "cpu_test", A.Backend(b.name, b.unavailable, b.refuses, b.run))
+    kernels.attention(q, k, v)
+    kernels.attention(q, k, v, window=4)
+    assert cpu_backend == [None, None]
+
+
+def test_not_measured_here_names_the_platform():
+    assert DISPATCH.not_measured_here("cpu") is None
+    assert "not measured to pay on 'cpu'" in DISPATCH.not_measured_here("gpu")
+    assert "nothing yet" in DISPATCH.not_measured_here()
 
 
 @pytest.mark.parametrize("op,name,call", [
@@ -354,3 +464,28 @@ def test_selfcheck_reports_every_backend_and_flags_a_wrong_one(monkeypatch):
     out = io.StringIO()
     assert selfcheck.run(quick=True, repeats=1, ops=("rms_norm",), out=out) == 1
     assert "wrong" in out.getvalue() and "over tolerance" in out.getvalue()
+
+
+def test_selfcheck_reports_a_refusal_and_does_not_count_it(monkeypatch):
+    """A backend that refuses a case (as cuDNN refuses soft-capping on a GPU) is listed with its reason and
+    leaves the exit status at 0; one that crashes while running fails the check."""
+    import io
+
+    from shared.kernels import selfcheck
+
+    refuser = NORM.Backend("refuser", lambda: None, lambda c: "this backend takes no rows of 256",
+                           lambda x, w, eps: pytest.fail("a refused call ran"))
+    monkeypatch.setitem(NORM.BACKENDS, "refuser", refuser)
+    out = io.StringIO()
+    assert selfcheck.run(quick=True, repeats=1, ops=("rms_norm",), out=out) == 0, out.getvalue()
+    text = out.getvalue()
+    assert "refuser" in text and "refused: this backend takes no rows of 256" in text, text
+    assert "1 case(s) refused by a backend (not failures)" in text and "all backends within tolerance" in text
+
+    def crash(x, w, eps):
+        raise RuntimeError("kernel launch failed")
+
+    monkeypatch.setitem(NORM.BACKENDS, "crasher", NORM.Backend("crasher", lambda: None, lambda c: None, crash))
+    out = io.StringIO()
+    assert selfcheck.run(quick=True, repeats=1, ops=("rms_norm",), out=out) == 1
+    assert "crasher" in out.getvalue() and "FAILED: RuntimeError: kernel launch failed" in out.getvalue()

@@ -44,7 +44,8 @@ def test_reference_matches_loop(causal, window, segments):
 
 def test_auto_is_reference_on_cpu_and_named_backends_never_fall_back(monkeypatch):
     assert jax.default_backend() == "cpu"
-    assert kernels.available_backends() == ["reference"]
+    here = kernels.available_backends()  # a CPU-capable backend may be here; the GPU ones may not
+    assert "reference" in here and not {"cudnn", "flash4", "pallas"} & set(here), here
     q = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
     calls = []
     monkeypatch.setitem(attn_mod.BACKENDS, "reference", attn_mod.Backend(

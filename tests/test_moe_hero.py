@@ -286,6 +286,16 @@ def test_expert_matmul_config_error_names_the_field():
         small(expert_matmul="dense")
 
 
+def test_local_and_global_attention_backends_are_checked_in_the_config():
+    """One backend setting per kind of attention layer, each refused at config time when it cannot run them."""
+    with pytest.raises(model.ConfigError, match="model.local_attention_backend: 'nope' cannot run the sliding-window"):
+        small(local_attention_backend="nope")
+    with pytest.raises(model.ConfigError, match="model.attention_backend: 'cudnn' cannot run the global layers"):
+        small(attention_backend="cudnn", local_attention_backend="reference")  # cuDNN takes no float32
+    assert model.local_backend(small(attention_backend="reference")) == "reference"
+    assert model.local_backend(small(attention_backend="reference", local_attention_backend="auto")) == "auto"
+
+
 # ---------------------------------------------------------------- the train loop
 
 def test_bias_update_balances_load_on_real_data(small_corpus, tmp_path):

@@ -1,5 +1,6 @@
-"""variants/swa_hybrid: locality of local vs global layers, the blockwise windowed reference
-attention against the dense masked one, soft-capping, sharding, and the variant's options.
+"""variants/swa_hybrid: locality of local vs global layers (with every backend that can run
+each kind here), the blockwise windowed reference attention against the dense masked one,
+soft-capping, sharding, and the variant's options (a backend each for local and global layers).
 
 The contract (tests/test_contract.py) already checks causality and document isolation, but
 at T=32 < window=64; here they are checked again with a window shorter than the row.
@@ -52,10 +53,47 @@ def test_global_layer_pattern():
 
 
 @pytest.mark.parametrize("field,value", [("window", 0), ("global_every", 0), ("global_rope", "alibi"),
-                                         ("attn_softcap", -1.0), ("global_rope_theta", 0.0)])
+                                         ("attn_softcap", -1.0), ("global_rope_theta", 0.0),
+                                         ("attention_backend", "nope"), ("local_attention_backend", "nope")])
 def test_config_errors_name_the_field(field, value):
     with pytest.raises(model.ConfigError, match=f"model.{field}"):
         small(**{field: value})
+
+
+def test_config_refuses_a_backend_that_cannot_run_its_layers():
+    """Known before tracing on any machine: cuDNN takes no float32 and no soft-capping."""
+    with pytest.raises(model.ConfigError, match="model.attention_backend: 'cudnn' cannot run the global layers: .*bfloat16"):
+        small(attention_backend="cudnn", local_attention_backend="reference")
+    with pytest.raises(model.ConfigError, match="model.local_attention_backend: 'cudnn' .*sliding-window.*soft-capping"):
+        small(compute_dtype="bfloat16", attn_softcap=30.0, local_attention_backend="cudnn")
+    cfg = small(compute_dtype="bfloat16", attention_backend="cudnn", local_attention_backend="reference")
+    assert model.local_backend(cfg) == "reference" and model.local_backend(small(attention_backend="pallas")) == "pallas"
+
+
+def test_a_global_only_backend_runs_the_global_layers(monkeypatch):
+    """A backend without windows (here a test-only one on CPU) runs the global layers, the reference the local ones."""
+    ran = []
+
+    def run(q, k, v, **kw):
+        ran.append(kw["window"])
+        return A.reference(q, k, v, **kw)
+
+    no_windows = lambda c: "no sliding window" if c.window is not None else None  # noqa: E731
+    registry = {"global_only": A.Backend("global_only", lambda: None, no_windows, run), **A.BACKENDS}
+    monkeypatch.setattr(A, "BACKENDS", registry)
+    monkeypatch.setitem(kernels.REGISTRIES, "attention", registry)
+    with pytest.raises(model.ConfigError, match=r"model.local_attention_backend: 'global_only' \(from attention_backend\)"
+                                                r" cannot run the sliding-window layers: no sliding window"):
+        small(attention_backend="global_only")
+    cfg = small(attention_backend="global_only", local_attention_backend="reference")
+    ref = small()
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (4, 16)), jnp.int32)
+    with jax.set_mesh(mesh42()):
+        params = jax.jit(lambda k: model.init(ref, k))(jax.random.key(0))
+        got = jax.jit(lambda p, t: model.forward(p, t, cfg))(params, tokens)
+        want = jax.jit(lambda p, t: model.forward(p, t, ref))(params, tokens)
+    assert ran and set(ran) == {None}  # traced for the global branch only
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_flops_count_local_layers_at_their_window():
@@ -68,35 +106,57 @@ def test_flops_count_local_layers_at_their_window():
 
 # ---------------------------------------------------------------- locality, per backend
 
-def _block_fn(cfg, backend):
-    dt = "bfloat16" if backend == "cudnn" else "float32"
-    cfg = dataclasses.replace(cfg, attention_backend=backend, compute_dtype=dt)
+LOCALITY_T, LOCALITY_W = 24, 5
+
+
+def layer_backends():
+    """(kind, backend, compute dtype) for every attention backend that can run that kind of layer of the
+    locality test here: available and not refusing its call, in float32 or else bfloat16."""
+    out = []
+    for kind, window in (("local", LOCALITY_W), ("global", None)):
+        seen = set()
+        for dt in ("float32", "bfloat16"):
+            cfg = small(n_layers=1, window=LOCALITY_W, compute_dtype=dt)
+            call = kernels.AttentionCall((4, LOCALITY_T, cfg.n_heads, cfg.head_dim),
+                                         (4, LOCALITY_T, cfg.n_kv_heads, cfg.head_dim), jnp.dtype(dt), True, window,
+                                         False, cfg.attn_softcap)
+            out += [(kind, b, dt) for b in kernels.usable("attention", call) if b not in seen]
+            seen |= set(kernels.usable("attention", call))
+    return out
+
+
+def _block_fn(cfg, kind, backend, dt):
+    """One block of `kind` with `backend` on that kind's layers (the other kind on the reference)."""
+    field = "local_attention_backend" if kind == "local" else "attention_backend"
+    cfg = dataclasses.replace(cfg, **{"compute_dtype": dt, "attention_backend": "reference", field: backend})
     params = model.init(cfg, jax.random.key(0))
     layer = jax.tree.map(lambda w: w[0], params["layers"])
-    return jax.jit(lambda x, g: model.block(x, layer, model.layer_angles(model.positions(x[..., 0], None), cfg), None, g, cfg)), dt
+    angles = lambda x: model.layer_angles(model.positions(x[..., 0], None), cfg)  # noqa: E731
+    return jax.jit(lambda x: model.block(x, layer, angles(x), None, kind == "global", cfg))
 
 
-@pytest.mark.parametrize("backend", kernels.available_backends())
-def test_local_layer_ignores_tokens_beyond_its_window(backend):
+@pytest.mark.parametrize("kind,backend,dt", layer_backends())
+def test_local_layer_ignores_tokens_beyond_its_window(kind, backend, dt):
     """Perturbing positions < c: a local layer's outputs from position c + W - 1 on are unchanged,
-    a global layer's change."""
-    T, W, c = 24, 5, 6
+    a global layer's change. With every backend that can run that kind of layer here."""
+    T, W, c = LOCALITY_T, LOCALITY_W, 6
     cfg = small(n_layers=1, window=W)
     mesh = mesh42()
     with jax.set_mesh(mesh):
-        f, dt = _block_fn(cfg, backend)
+        f = _block_fn(cfg, kind, backend, dt)
         rng = np.random.default_rng(0)
         x = rng.standard_normal((4, T, cfg.d_model)).astype(np.float32)
         y = x.copy()
         y[:, :c] = rng.standard_normal((4, c, cfg.d_model))
         sh = NamedSharding(mesh, P("data", None, None))
         x, y = (jax.device_put(jnp.asarray(a, dt), sh) for a in (x, y))
-        local_x, local_y = np.asarray(f(x, False), np.float32), np.asarray(f(y, False), np.float32)
-        glob_x, glob_y = np.asarray(f(x, True), np.float32), np.asarray(f(y, True), np.float32)
-    np.testing.assert_array_equal(local_x[:, c + W - 1:], local_y[:, c + W - 1:],
-                                  err_msg=f"{backend}: a local layer sees tokens more than window back")
-    assert not np.allclose(local_x[:, c + W - 2], local_y[:, c + W - 2]), "the window is shorter than W"
-    assert not np.allclose(glob_x[:, c + W - 1:], glob_y[:, c + W - 1:]), "a global layer ignores the far past"
+        out_x, out_y = np.asarray(f(x), np.float32), np.asarray(f(y), np.float32)
+    if kind == "local":
+        np.testing.assert_array_equal(out_x[:, c + W - 1:], out_y[:, c + W - 1:],
+                                      err_msg=f"{backend}: a local layer sees tokens more than window back")
+        assert not np.allclose(out_x[:, c + W - 2], out_y[:, c + W - 2]), "the window is shorter than W"
+    else:
+        assert not np.allclose(out_x[:, c + W - 1:], out_y[:, c + W - 1:]), f"{backend}: a global layer ignores the far past"
 
 
 # ---------------------------------------------------------------- blockwise windowed reference

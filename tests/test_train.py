@@ -1,6 +1,8 @@
 """The dense train loop as a user relies on it: exact resume, restore on other device
-counts, gradient accumulation, early config errors, clear data errors, NaN handling."""
+counts, gradient accumulation, early config errors, clear data errors, NaN handling, the
+kernels a run used in its config.json, and a default warmup that fits any run length."""
 
+import json
 import os
 import subprocess
 import sys
@@ -116,6 +118,25 @@ def test_impossible_configs_fail_before_compiling(small_corpus, tmp_path, monkey
         train.main(small(small_corpus, tmp_path, mesh_data=2, mesh_model=4))
 
 
+def test_warmup_default_fits_any_run_length():
+    """warmup_steps = -1 (the default) is min(20, steps // 10): below `steps` however short the run."""
+    for steps, want in ((1, 0), (5, 0), (19, 1), (50, 5), (220, 20), (10_000, 20)):
+        assert train.warmup(train.TrainConfig(steps=steps)) == want, steps
+    assert train.warmup(train.TrainConfig(steps=5, warmup_steps=4)) == 4
+    for steps, warmup in ((5, 5), (5, -2)):
+        with pytest.raises(model.ConfigError, match="warmup_steps"):
+            train.TrainConfig(steps=steps, warmup_steps=warmup)
+
+
+def test_config_json_records_the_kernels_the_step_used(small_corpus, tmp_path):
+    """Which backend each kernel op took (chosen while the first step compiled) is in the run's config.json."""
+    train.main(small(small_corpus, tmp_path, steps=2, save_every=0, eval_every=2))
+    with open(tmp_path / "config.json") as f:
+        used = json.load(f)["kernels"]
+    assert {"attention", "cross_entropy", "rms_norm"} <= set(used), used
+    assert "q(8, 32, 4, 16) window=None" in used["attention"]["reference"], used  # CPU: the reference
+
+
 def test_missing_or_empty_data_path(tmp_path):
     cfg = train.TrainConfig(data=data.DataConfig(source=str(tmp_path / "nowhere" / "*.jsonl")),
                             run_dir=str(tmp_path / "run"), wandb="disabled")
@@ -164,7 +185,7 @@ def run_cli(*args, **kw):
 
 def test_cli_trains_samples_and_reports_bad_flags(small_corpus, tmp_path):
     r = run_cli("--data.source", small_corpus, "--model.vocab_size", "512", "--seq_len", "32", "--batch_size", "8",
-                "--steps", "4", "--warmup_steps", "1", "--log_every", "2", "--eval_every", "2",
+                "--steps", "4", "--log_every", "2", "--eval_every", "2",  # the default warmup fits 4 steps
                 "--run_dir", str(tmp_path / "run"), "--wandb", "disabled", "--sample_tokens", "8")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "step      4" in r.stdout + r.stderr and "--- sample after 4 steps ---" in r.stdout
@@ -178,3 +199,4 @@ def test_cli_trains_samples_and_reports_bad_flags(small_corpus, tmp_path):
     assert usage.returncode == 0
     for text in ("--model.n_kv_heads", "--grad_accum", "--data.source", "125m", "8b"):
         assert text in usage.stdout, f"--help does not mention {text}"
+    assert "-1 = min(20, steps // 10)" in " ".join(usage.stdout.split()), "--help does not explain warmup_steps = -1"

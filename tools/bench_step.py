@@ -102,9 +102,10 @@ def plain_loss(params, batch, mc):
     return loss
 
 
-def plain_step(tc):
-    """The plainest train step for dense: value_and_grad, optax AdamW with clipping, no accumulation."""
-    schedule = optax.warmup_cosine_decay_schedule(0.0, tc.lr, tc.warmup_steps, tc.steps, tc.lr * tc.min_lr_ratio)
+def plain_step(tc, warmup: int):
+    """The plainest train step for dense: value_and_grad, optax AdamW with clipping, no accumulation.
+    `warmup`: the warmup steps the variant's train.py resolves from tc (`train.warmup(tc)`)."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, tc.lr, warmup, tc.steps, tc.lr * tc.min_lr_ratio)
     decay = lambda ps: jax.tree_util.tree_map_with_path(lambda p, _: "norm" not in jax.tree_util.keystr(p), ps)  # noqa: E731
     opt = optax.adamw(schedule, tc.beta1, tc.beta2, weight_decay=tc.weight_decay, mask=decay)
     if tc.grad_clip > 0:
@@ -150,7 +151,7 @@ def check_same(train, tc, params, batch, dev_batch, accum_batch, mesh):
     sa = jax.tree.map(jnp.copy, sa)
     sb = unsharded(sa)
     sa, _ = train.make_train_step(tc, opt, sched)(sa, accum_batch)
-    sb, _ = plain_step(tc)(sb, batch)
+    sb, _ = plain_step(tc, train.warmup(tc))(sb, batch)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(sa["params"])[0], jax.tree.leaves(sb["params"])):
         cmp("step1" + jax.tree_util.keystr(path), a, b)
     err, what = max(worst)
@@ -244,7 +245,7 @@ def main(argv=None):
         arms = {"A  variant step": (train.make_train_step(tc, opt, sched), accum),
                 "A' variant step, again": (train.make_train_step(tc, opt, sched), accum)}
         if reference:
-            arms["B  plain JAX step"] = (plain_step(tc), plain_batch)
+            arms["B  plain JAX step"] = (plain_step(tc, train.warmup(tc)), plain_batch)
         states = {name: unsharded(state0) if name.startswith("B") else jax.tree.map(jnp.copy, state0) for name in arms}
         for name, (step, b) in arms.items():  # compile + warm up
             states[name], _, _ = time_arm(step, states[name], b, 2)

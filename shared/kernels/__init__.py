@@ -16,18 +16,24 @@ Each entry point's module lists its backends (attention: cudnn, flash4, pallas, 
 cross_entropy and rms_norm: quack, reference; short_conv: triton, reference). `backend="auto"`
 takes the first that is available here, can express the call and has not been passed over;
 a backend named explicitly (argument, or STENCIL_KERNELS=op=name) runs or raises, never falls
-back. `available_backends()` says what this process can use; `python -m shared.kernels.selfcheck`
-compares every available backend with the reference and times it.
+back. `available_backends(op)` says what this process can use at all; `usable(op, call)` what
+can run one call here (available and not refusing it); `refusal(op, name, call)` why a named
+backend cannot compute a call wherever it runs (for configs, before anything is traced);
+`choices()` which backend each op took so far in this process (the train loop writes it into
+the run's config.json). `python -m shared.kernels.selfcheck` compares every available backend
+with the reference and times it. See shared/kernels/dispatch.py for the rules (platforms, `auto`).
 """
 
 from shared.kernels import attention as _attention
 from shared.kernels import conv as _conv
 from shared.kernels import cross_entropy as _cross_entropy
 from shared.kernels import rms_norm as _rms_norm
+from shared.kernels import dispatch as _dispatch
 from shared.kernels.attention import BACKENDS, AttentionError, attention
+from shared.kernels.attention import Call as AttentionCall
 from shared.kernels.conv import ConvError, short_conv
 from shared.kernels.cross_entropy import CrossEntropyError, cross_entropy
-from shared.kernels.dispatch import KernelError
+from shared.kernels.dispatch import KernelError, choices
 from shared.kernels.rms_norm import NormError, rms_norm
 
 REGISTRIES = {"attention": _attention.BACKENDS, "cross_entropy": _cross_entropy.BACKENDS,
@@ -39,5 +45,22 @@ def available_backends(op: str = "attention") -> list[str]:
     return [name for name, b in REGISTRIES[op].items() if b.unavailable() is None]
 
 
-__all__ = ["BACKENDS", "REGISTRIES", "AttentionError", "ConvError", "CrossEntropyError", "KernelError", "NormError",
-           "attention", "available_backends", "cross_entropy", "rms_norm", "short_conv"]
+def usable(op: str, call) -> list[str]:
+    """The backends of `op` that are available here and do not refuse `call`, in `auto`'s order.
+
+    `call` is the op's call description: `AttentionCall` for attention, the `Call` dataclass of
+    shared/kernels/<op>.py for the others (what the entry point builds from its arguments).
+    What a test should run when it means "every backend that can run this call"."""
+    return _dispatch.usable(REGISTRIES[op], call)
+
+
+def refusal(op: str, backend: str, call) -> str | None:
+    """Why `backend` cannot compute `call` on any machine (an unknown name, or the backend refuses
+    the call), else None; "auto" is never refused. Whether it is available here is not checked,
+    so a config can check the backend it names before tracing, on any machine."""
+    return None if backend == "auto" else _dispatch.refusal(REGISTRIES[op], backend, call, here=False)
+
+
+__all__ = ["BACKENDS", "REGISTRIES", "AttentionCall", "AttentionError", "ConvError", "CrossEntropyError",
+           "KernelError", "NormError", "attention", "available_backends", "choices", "cross_entropy", "refusal",
+           "rms_norm", "short_conv", "usable"]

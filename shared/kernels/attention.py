@@ -50,11 +50,13 @@ run per device through `jax.shard_map` over the batch (`data`) and head (`model`
 a sharded sequence or head_dim axis is refused.
 
 `backend="auto"` takes the first backend in BACKENDS that is available on this platform,
-can express the call and does not pass on it, and logs that choice once. On CPU that is
-always the reference. A backend named explicitly that is unavailable, or cannot express
-the masks asked for, raises AttentionError saying why; there is never a silent fallback.
-The order (cuDNN before FA4 before Pallas) is the expected speed, unmeasured:
-`python -m shared.kernels.selfcheck` on a GPU measures it.
+can express the call and does not pass on it. Every choice, named or `auto`, is logged once
+and recorded (`kernels.choices()`). On CPU `auto` takes the reference: no other backend here
+runs on CPU (Pallas runs there only in interpret mode, called directly, never as a backend;
+dispatch.py says when a CPU-capable backend may enter `auto`). A backend named explicitly
+that is unavailable, or cannot express the masks asked for, raises AttentionError saying
+why; there is never a silent fallback. The order (cuDNN before FA4 before Pallas) is the
+expected speed on a GPU, unmeasured: `python -m shared.kernels.selfcheck` on a GPU measures it.
 """
 
 from __future__ import annotations

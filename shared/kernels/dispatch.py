@@ -1,4 +1,4 @@
-"""The dispatch every kernel entry point shares: named backends, refusals, `auto`, one log line.
+"""The dispatch every kernel entry point shares: named backends, refusals, `auto`, a record of choices.
 
 A backend is four things: a name, `unavailable()` (None when it can run in this process,
 else the reason: wrong platform, package missing), `refuses(call)` (None when it can
@@ -7,10 +7,29 @@ reason why `auto` should not pick a backend that could run the call (it does not
 this shape, or it has not been measured to pay); a backend named explicitly ignores it.
 
 `choose` picks a backend for one call. A backend named explicitly that is unavailable or
-refuses raises `KernelError` (or the op's subclass) saying why; `auto` takes the first
-backend in the registry's order that is available, does not refuse and is not skipped,
-and logs that choice once per (op, backend, call shape). There is never a silent fallback
-from a named backend.
+refuses raises `KernelError` (or the op's subclass) saying why, with the reason in its
+`refusal` attribute; `auto` takes the first backend in the registry's order that is
+available, does not refuse and is not skipped. There is never a silent fallback from a
+named backend. Every choice, named or `auto`, is logged once per (op, backend, call shape)
+(logger `stencil.kernels`) and kept in a process-wide record, `choices()`:
+{op: {backend: [call shapes]}}. Choices happen while a program is traced, so the train
+loop writes the record into the run's config.json after its first step has compiled.
+
+`usable(registry, call)` lists the backends that are available here and do not refuse a
+call: what can run it, as opposed to `available` (can run something here). Tests that run
+"every backend" on a call iterate over `usable`, never over the available ones.
+
+Platforms. `unavailable()` says where a backend can run at all; nothing assumes that a
+backend other than the reference is a GPU backend. The registry's order is `auto`'s order
+on the platform the fast backends were written for (NVIDIA GPUs: cuDNN, FlashAttention-4,
+Pallas, by expected speed); on any other platform a backend enters `auto` only after a
+benchmark on that platform shows it beats the backends after it, with the figure written in
+its docstring. Until then its `auto_skip` says so (`not_measured_here(*platforms it was
+measured on)`): it runs when named, and `auto` passes over it. Today no backend but the
+reference can run on CPU, so on CPU `auto` takes the reference for every op. Pallas kernels
+do run on CPU in Pallas interpret mode, but only when called directly with `interpret=True`
+(the tests and `selfcheck`): the interpreter checks numerics and is far slower than XLA, so
+it is never a backend and never in `auto`.
 
 `STENCIL_KERNELS` (environment) names backends per op for the whole process, in place of
 "auto": `STENCIL_KERNELS=attention=pallas,rms_norm=quack`. A backend a config names
@@ -38,7 +57,15 @@ log = logging.getLogger("stencil.kernels")
 
 
 class KernelError(ValueError):
-    """A kernel backend cannot run this call (unknown, unavailable, or a call it cannot express)."""
+    """A kernel backend cannot run this call (unknown, unavailable, or a call it cannot express).
+
+    `refusal` holds the backend's own reason when a backend named explicitly cannot run the
+    call (unknown, unavailable here, or it refuses the call), None for any other error.
+    """
+
+    def __init__(self, message: str, refusal: str | None = None):
+        super().__init__(message)
+        self.refusal = refusal
 
 
 @dataclass(frozen=True)
@@ -51,6 +78,7 @@ class Backend:
 
 
 _logged: set = set()
+_choices: dict[str, dict[str, list[str]]] = {}  # {op: {backend: [call shapes]}}, in the order chosen
 
 
 def forced(op: str) -> str | None:
@@ -62,28 +90,68 @@ def forced(op: str) -> str | None:
     return None
 
 
+def refusal(registry: dict, name: str, call, *, here: bool = True) -> str | None:
+    """Why backend `name` cannot run `call`, or None if it can.
+
+    Unknown names and the backend's `refuses(call)` always count; `unavailable()` (platform,
+    packages) only with `here=True`. A config that names a backend checks it with
+    `here=False`: it may be written on one machine and run on another."""
+    if name not in registry:
+        return f"unknown backend {name!r}; known: {sorted(registry)} or 'auto'"
+    b = registry[name]
+    return (b.unavailable() if here else None) or b.refuses(call)
+
+
+def usable(registry: dict, call) -> list[str]:
+    """The backends that are available here and do not refuse `call`, in `auto`'s order."""
+    return [name for name in registry if refusal(registry, name, call) is None]
+
+
+def not_measured_here(*measured_on: str):
+    """For an `auto_skip`: None on a platform in `measured_on` ("gpu", "cpu", "tpu"), where a
+    benchmark recorded in the backend's docstring shows it pays; else the reason `auto` passes it over."""
+    platform = jax.default_backend()
+    if platform in measured_on:
+        return None
+    return f"not measured to pay on {platform!r} (measured on: {', '.join(measured_on) or 'nothing yet'})"
+
+
+def choices() -> dict[str, dict[str, list[str]]]:
+    """Every backend chosen in this process so far, named or `auto`: {op: {backend: [call shapes]}}."""
+    return {op: {b: list(keys) for b, keys in per.items()} for op, per in _choices.items()}
+
+
+def _note(op: str, name: str, key: str, how: str) -> None:
+    """Record and log a choice, once per (op, backend, call shape)."""
+    k = (op, name, key)
+    if k in _logged:
+        return
+    _logged.add(k)
+    _choices.setdefault(op, {}).setdefault(name, []).append(key)
+    log.info("%s backend %s for %s (%s)", op, name, key, how)
+
+
 def choose(op: str, registry: dict, call, backend: str, *, error=KernelError, key=None) -> Backend:
     """The backend that runs `call`: `backend` by name, or the first suitable one for "auto"."""
-    if backend == "auto":
-        backend = forced(op) or "auto"
+    key = str(call if key is None else key)
+    how = "named"
+    if backend == "auto" and forced(op) is not None:
+        backend, how = forced(op), "named by STENCIL_KERNELS"
     if backend != "auto":
         if backend not in registry:
-            raise error(f"unknown {op} backend {backend!r}; known: {sorted(registry)} or 'auto'")
-        b = registry[backend]
-        why = b.unavailable() or b.refuses(call)
+            raise error(f"unknown {op} backend {backend!r}; known: {sorted(registry)} or 'auto'",
+                        refusal=refusal(registry, backend, call))
+        why = refusal(registry, backend, call)
         if why:
-            raise error(f"{op} backend {backend!r} cannot run this call: {why}")
-        return b
+            raise error(f"{op} backend {backend!r} cannot run this call: {why}", refusal=why)
+        _note(op, backend, key, how)
+        return registry[backend]
     skipped = []
     for b in registry.values():
         why = b.unavailable() or b.refuses(call) or b.auto_skip(call)
         if why is None:
-            k = (op, b.name, call if key is None else key)
-            if k not in _logged:
-                _logged.add(k)
-                note = "; ".join(f"{n}: {w}" for n, w in skipped)
-                log.info("%s backend %s for %s%s", op, b.name, call if key is None else key,
-                         f" (skipped {note})" if note else "")
+            note = "; ".join(f"{n}: {w}" for n, w in skipped)
+            _note(op, b.name, key, "auto" + (f"; skipped {note}" if note else ""))
             return b
         skipped.append((b.name, why))
     raise error(f"no {op} backend can run this call: {skipped}")

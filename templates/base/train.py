@@ -25,7 +25,7 @@ import optax  # noqa: E402
 from jax.sharding import AbstractMesh, AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from shared import checkpoint, cli, data, distributed, flops, metrics  # noqa: E402
+from shared import checkpoint, cli, data, distributed, flops, kernels, metrics  # noqa: E402
 from shared.variant import sibling  # noqa: E402
 
 model = sibling(__file__, "model")
@@ -45,7 +45,7 @@ class TrainConfig:
     stop_at: int = 0  # stop early after this step with a checkpoint (time-limited jobs); 0 = run to `steps`
     lr: float = 3e-3  # peak learning rate
     min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio (cosine decay)
-    warmup_steps: int = 20
+    warmup_steps: int = -1  # linear warmup steps, in [0, steps); -1 = min(20, steps // 10)
     weight_decay: float = 0.1  # on matrices only, not norms
     beta1: float = 0.9
     beta2: float = 0.95
@@ -70,7 +70,8 @@ class TrainConfig:
         check(self.grad_accum > 0 and self.batch_size % self.grad_accum == 0, "grad_accum",
               f"{self.grad_accum} must divide batch_size={self.batch_size}")
         check(self.steps > 0, "steps", f"must be positive, got {self.steps}")
-        check(0 <= self.warmup_steps < self.steps, "warmup_steps", f"{self.warmup_steps} must be in [0, steps={self.steps})")
+        check(self.warmup_steps == -1 or 0 <= self.warmup_steps < self.steps, "warmup_steps",
+              f"{self.warmup_steps} must be -1 (= min(20, steps // 10)) or in [0, steps={self.steps})")
         check(0 <= self.stop_at <= self.steps, "stop_at", f"{self.stop_at} must be in [0, steps={self.steps}]")
         check(self.lr > 0, "lr", f"must be positive, got {self.lr}")
         check(self.mesh_model > 0, "mesh_model", f"must be positive, got {self.mesh_model}")
@@ -106,8 +107,13 @@ def make_mesh(cfg: TrainConfig, devices=None):
     return jax.make_mesh((dp, tp), ("data", "model"), axis_types=(AxisType.Explicit,) * 2, devices=devices)
 
 
+def warmup(cfg: TrainConfig) -> int:
+    """Warmup steps: `warmup_steps`, or for -1 min(20, steps // 10), which is below `steps` for any run length."""
+    return cfg.warmup_steps if cfg.warmup_steps >= 0 else min(20, cfg.steps // 10)
+
+
 def make_optimizer(cfg: TrainConfig):
-    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup_steps, cfg.steps, cfg.lr * cfg.min_lr_ratio)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup(cfg), cfg.steps, cfg.lr * cfg.min_lr_ratio)
     decay = lambda params: jax.tree_util.tree_map_with_path(  # noqa: E731
         lambda path, _: "norm" not in jax.tree_util.keystr(path), params)
     adamw = optax.adamw(schedule, cfg.beta1, cfg.beta2, weight_decay=cfg.weight_decay, mask=decay)
@@ -296,6 +302,7 @@ def main(cfg: TrainConfig) -> dict:
                     settle(*pending)
                     pending = None
                     t_mark, step_mark = time.perf_counter(), step
+                    log.record("kernels", kernels.choices())  # the backends the compiled step uses, per op
                 if step % cfg.log_every == 0 or step == end:
                     if pending is not None:
                         mm = settle(*pending)

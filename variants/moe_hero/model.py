@@ -1,7 +1,7 @@
 """Mixture-of-experts decoder (DeepSeek-V3 style routing) on the swa_hybrid attention pattern.
 
 Copied from variants/swa_hybrid (sliding-window local layers and periodic global layers,
-separate RoPE bases, QK-norm, soft-capping, head gate, GQA, RMSNorm, z-loss, bf16 compute);
+each kind with its own attention backend, separate RoPE bases, QK-norm, soft-capping, head gate, GQA, RMSNorm, z-loss, bf16 compute);
 this variant changes the feed-forward and the sharding:
   - MoE feed-forward: `n_experts` routed SwiGLU experts of width `d_expert`, `top_k` of them
     per token, plus `n_shared` always-on shared experts (one SwiGLU of width
@@ -100,7 +100,8 @@ class ModelConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"  # "bfloat16" on accelerators
     remat: str = "dots"  # "none" | "dots" | "full" | "moe" (dots + the expert-side tensors)
-    attention_backend: str = "auto"  # see shared/kernels/attention.py
+    attention_backend: str = "auto"  # global layers, and local ones too unless local_attention_backend is set
+    local_attention_backend: str = ""  # sliding-window layers; "" = attention_backend (see shared/kernels/attention.py)
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
@@ -134,6 +135,14 @@ class ModelConfig:
         for name in ("local_rope_theta", "global_rope_theta"):
             check(getattr(self, name) > 0, f"model.{name}", f"must be positive, got {getattr(self, name)}")
         check(self.attn_softcap >= 0, "model.attn_softcap", f"must be >= 0 (0 = off), got {self.attn_softcap}")
+        # A named backend that cannot compute a layer's attention is refused here, before tracing
+        # (whether it is available on this machine is checked when the layer is traced).
+        why = kernels.refusal("attention", self.attention_backend, attention_call(self, None))
+        check(why is None, "model.attention_backend", f"{self.attention_backend!r} cannot run the global layers: {why}")
+        local, inherited = local_backend(self), "" if self.local_attention_backend else " (from attention_backend)"
+        why = kernels.refusal("attention", local, attention_call(self, self.window))
+        check(why is None, "model.local_attention_backend",
+              f"{local!r}{inherited} cannot run the sliding-window layers: {why}")
 
     @property
     def n_moe_layers(self) -> int:
@@ -144,6 +153,20 @@ def global_layers(cfg: ModelConfig) -> list[bool]:
     """Per layer (dense ones first): True for a global layer, False for a sliding-window one."""
     L = cfg.n_layers
     return [(i + 1) % cfg.global_every == 0 or i == L - 1 for i in range(L)]
+
+
+def local_backend(cfg: ModelConfig) -> str:
+    """The attention backend of the sliding-window layers: local_attention_backend, or attention_backend."""
+    return cfg.local_attention_backend or cfg.attention_backend
+
+
+def attention_call(cfg: ModelConfig, window: int | None) -> kernels.AttentionCall:
+    """A layer's attention call as far as the config knows it, to check a named backend before tracing:
+    a row of 2 * window tokens (longer than the window) without documents. The row length, the
+    documents and the sharding are checked again when the layer is traced."""
+    T = 2 * cfg.window
+    return kernels.AttentionCall((1, T, cfg.n_heads, cfg.head_dim), (1, T, cfg.n_kv_heads, cfg.head_dim),
+                                 jnp.dtype(cfg.compute_dtype), True, window, False, cfg.attn_softcap)
 
 
 def capacity(cfg: ModelConfig, tokens_per_device: int) -> int:
@@ -372,7 +395,7 @@ def attend(q, k, v, angles, segment_ids, is_global, cfg: ModelConfig):
     def local(q, k, v):
         q, k = rope(q, angles["local"]), rope(k, angles["local"])
         return kernels.attention(q, k, v, segment_ids=segment_ids, causal=True, window=cfg.window,
-                                 softcap=cfg.attn_softcap, backend=cfg.attention_backend)
+                                 softcap=cfg.attn_softcap, backend=local_backend(cfg))
 
     def global_(q, k, v):
         if cfg.global_rope == "rope":

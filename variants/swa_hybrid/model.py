@@ -13,7 +13,10 @@ stacked on a leading axis and run with `jax.lax.scan`.
 
 Copied from variants/dense (RMSNorm, RoPE, grouped-query attention, SwiGLU, optional tied
 embeddings, z-loss, bfloat16 compute, remat policy); this variant adds:
-  - sliding-window local layers and periodic global layers (`window`, `global_every`);
+  - sliding-window local layers and periodic global layers (`window`, `global_every`), each
+    kind with its own attention backend (`local_attention_backend`, `attention_backend`), so a
+    backend that cannot run windows can still run the global layers; the config refuses a
+    named backend that cannot compute its layers' attention;
   - separate RoPE bases for local and global layers, or no RoPE on global layers
     (`local_rope_theta`, `global_rope` = "rope" | "none", `global_rope_theta`);
   - QK-norm (`qk_norm`): RMSNorm over head_dim of q and k, learned per-head_dim scales;
@@ -71,7 +74,8 @@ class ModelConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"  # "bfloat16" on accelerators
     remat: str = "dots"  # "none" | "dots" (save weight matmul outputs) | "full"
-    attention_backend: str = "auto"  # see shared/kernels/attention.py
+    attention_backend: str = "auto"  # global layers, and local ones too unless local_attention_backend is set
+    local_attention_backend: str = ""  # sliding-window layers; "" = attention_backend (see shared/kernels/attention.py)
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"):
@@ -92,12 +96,34 @@ class ModelConfig:
         for name in ("local_rope_theta", "global_rope_theta"):
             check(getattr(self, name) > 0, f"model.{name}", f"must be positive, got {getattr(self, name)}")
         check(self.attn_softcap >= 0, "model.attn_softcap", f"must be >= 0 (0 = off), got {self.attn_softcap}")
+        # A named backend that cannot compute a layer's attention is refused here, before tracing
+        # (whether it is available on this machine is checked when the layer is traced).
+        why = kernels.refusal("attention", self.attention_backend, attention_call(self, None))
+        check(why is None, "model.attention_backend", f"{self.attention_backend!r} cannot run the global layers: {why}")
+        local, inherited = local_backend(self), "" if self.local_attention_backend else " (from attention_backend)"
+        why = kernels.refusal("attention", local, attention_call(self, self.window))
+        check(why is None, "model.local_attention_backend",
+              f"{local!r}{inherited} cannot run the sliding-window layers: {why}")
 
 
 def global_layers(cfg: ModelConfig) -> list[bool]:
     """Per layer: True for a global layer, False for a sliding-window one."""
     L = cfg.n_layers
     return [(i + 1) % cfg.global_every == 0 or i == L - 1 for i in range(L)]
+
+
+def local_backend(cfg: ModelConfig) -> str:
+    """The attention backend of the sliding-window layers: local_attention_backend, or attention_backend."""
+    return cfg.local_attention_backend or cfg.attention_backend
+
+
+def attention_call(cfg: ModelConfig, window: int | None) -> kernels.AttentionCall:
+    """A layer's attention call as far as the config knows it, to check a named backend before tracing:
+    a row of 2 * window tokens (longer than the window) without documents. The row length, the
+    documents and the sharding are checked again when the layer is traced."""
+    T = 2 * cfg.window
+    return kernels.AttentionCall((1, T, cfg.n_heads, cfg.head_dim), (1, T, cfg.n_kv_heads, cfg.head_dim),
+                                 jnp.dtype(cfg.compute_dtype), True, window, False, cfg.attn_softcap)
 
 
 # ---------------------------------------------------------------- parameters
@@ -233,7 +259,7 @@ def attend(q, k, v, angles, segment_ids, is_global, cfg: ModelConfig):
     def local(q, k, v):
         q, k = rope(q, angles["local"]), rope(k, angles["local"])
         return kernels.attention(q, k, v, segment_ids=segment_ids, causal=True, window=cfg.window,
-                                 softcap=cfg.attn_softcap, backend=cfg.attention_backend)
+                                 softcap=cfg.attn_softcap, backend=local_backend(cfg))
 
     def global_(q, k, v):
         if cfg.global_rope == "rope":
