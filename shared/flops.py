@@ -1,10 +1,21 @@
 """Honest FLOP counting and MFU.
 
 Training FLOPs per token = 3 x forward (forward, plus backward at twice the forward).
-Matmuls count 2 FLOPs per multiply-add. Attention counts only the query-key pairs the
-mask lets through: causal attention at (T+1)/2 keys per query on average, a window W at
-min(t+1, W) keys for query t. Nothing is rounded up; remat recomputation is not counted
-(it is not useful work), so MFU is model FLOPs utilisation.
+Matmuls count 2 FLOPs per multiply-add. Attention counts the query-key pairs that the causal
+mask (and a window, where a layer has one) lets through in a row of T = seq_len tokens:
+(T+1)/2 keys per query on average, min(t+1, W) keys for query t under a window W.
+
+Packed rows are counted as one sequence of T tokens: document boundaries are not subtracted.
+A row holding documents of lengths L_1..L_n has sum_i L_i (L_i + 1) / 2 useful causal pairs,
+fewer than the T (T + 1) / 2 counted; the attention score and value matmuls are then overstated
+by that ratio (for example 8 documents of T/8 tokens: about 8x), while every weight matmul is
+exact. This is the usual convention (MFU comparable across data), and it is what the
+reference attention computes (the full causal score matrix, the segment mask applied after);
+a kernel that skips blocks between documents does less work than counted. The count does not
+depend on the data, so it is the same for every step of a run.
+
+Nothing is rounded up; remat recomputation is not counted (it is not useful work), so MFU is
+model FLOPs utilisation.
 
 Peaks are dense (no 2:4 sparsity) tensor-core / MXU figures from vendor data sheets.
 On CPU no data sheet applies, so the peak is a large fp32 matmul measured in the same

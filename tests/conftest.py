@@ -1,11 +1,22 @@
-"""Test set-up: 8 fake CPU devices, no wandb, a private cache, and a small shared corpus."""
+"""Test set-up: 8 fake CPU devices, no wandb, private caches, and a small shared corpus."""
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ["WANDB_MODE"] = "disabled"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One XLA compilation cache for the whole session, subprocesses included (they inherit it): a
+# program compiled twice (the same train step in several subprocess runs, a copy of a variant
+# in the contract's own tests) compiles once. Removed at exit; never the user's ~/.cache.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _xla_cache = tempfile.mkdtemp(prefix="stencil-test-xla-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _xla_cache
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
+    atexit.register(shutil.rmtree, _xla_cache, ignore_errors=True)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)

@@ -7,20 +7,29 @@ matching `init`'s pytree; `forward(params, tokens, cfg, *, segment_ids=None) -> 
 train.py: `TrainConfig`, `make_mesh`, `make_optimizer`, `init_state`, `make_train_step`,
 `make_eval_step`, `batch_spec`, `CONTRACT_TINY`, `main` (EXPORTS lists every name used).
 
-Each check runs on an 8-device CPU mesh (data=4, model=2, or what the variant's
+The concrete checks run on an 8-device CPU mesh (data=4, model=2, or what the variant's
 CONTRACT_TINY sets: e.g. an `expert` axis), at a tiny config that the variant's own
 CONTRACT_TINY adjusts so its distinctive path runs (a window shorter than the row, several
-KDA chunks, experts over devices). Batches are placed with the variant's `batch_spec`. Abstract traces allocate
-nothing, so every preset of every variant is traced too, at its own scale: its own
-batch and mesh, on an AbstractMesh of as many devices as the preset's mesh sizes multiply
-to (AT_SCALE_DEVICES when it leaves mesh_data at -1), lowered for CUDA. For that,
-`make_mesh(cfg, devices)` accepts a device count and returns an AbstractMesh.
+KDA chunks, experts over devices, an auxiliary loss switched on), all from one TinyRun per
+folder (three compiled programs): two real train steps with grad_accum = 2; causality and
+document isolation of `forward`'s logits and of `loss_fn`'s loss (so any auxiliary term is
+covered); accumulation that does not depend on how the batch is split; shared weights that
+start as the parent's. Batches are placed with the variant's `batch_spec`. The tests at the
+end break a copy of dense on purpose and check that each of these checks catches it.
+
+Abstract traces allocate nothing, so every preset of every variant is traced too, at its own
+scale: its own batch and mesh, on an AbstractMesh of as many devices as the preset's mesh
+sizes multiply to (AT_SCALE_DEVICES when it leaves mesh_data at -1), lowered for CUDA. For
+that, `make_mesh(cfg, devices)` accepts a device count and returns an AbstractMesh. Each
+preset's first line states its parameter count, checked against `num_params`.
 """
 
 import dataclasses
 import functools
+import importlib
 import math
 import os
+import re
 
 import draccus
 import jax
@@ -30,7 +39,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shared import cli
+from shared import cli, kernels
 from shared.variant import ROOT, discover, load
 
 VARIANTS = discover()
@@ -139,25 +148,24 @@ def test_param_specs_match_params(variant):
                 f"{variant}: init places {name} as {got}, param_specs says {spec}"
 
 
-def _trace(train, cfg, n_devices=None):
-    """Trace and lower one train step: on this machine's devices, or on an AbstractMesh of n_devices
-    (nothing allocated or compiled; lowered for CUDA, as no device of that mesh exists here)."""
+# XLA:CPU's LLVM optimisation level 0 for every program compiled here: about 2.5x faster to
+# compile (kda's tiny train step: 30 s -> 12 s on 2 cores), the same numbers; these programs run
+# for milliseconds, so their speed does not matter.
+COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def _trace(train, cfg, n_devices):
+    """Trace and lower one train step on an AbstractMesh of n_devices (nothing allocated or
+    compiled; lowered for CUDA, as no device of that mesh exists here)."""
     opt, schedule = train.make_optimizer(cfg)
     mesh = train.make_mesh(cfg, n_devices)
-    with jax.set_mesh(mesh) if n_devices is None else jax.sharding.use_abstract_mesh(mesh):
+    with jax.sharding.use_abstract_mesh(mesh):
         state = jax.eval_shape(lambda: train.init_state(cfg, opt, jax.random.key(0)))
         step = train.make_train_step(cfg, opt, schedule)
-        traced = step.trace(state, batch_spec(train, mesh, cfg))
-        lowered = traced.lower() if n_devices is None else traced.lower(lowering_platforms=("cuda",))
+        lowered = step.trace(state, batch_spec(train, mesh, cfg)).lower(lowering_platforms=("cuda",))
         out_state, metrics = lowered.out_info
     assert jax.tree.structure(out_state) == jax.tree.structure(state)
     assert "loss" in metrics
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_trace_tiny(variant):
-    _, train = modules(variant)
-    _trace(train, tiny(train, grad_accum=2))
 
 
 # ids end in "<variant>]" like every other test here, so -k "<variant>]" selects them too
@@ -173,87 +181,374 @@ def test_trace_preset_at_scale(variant, preset):
         raise AssertionError(f"{variant}: preset {preset!r} does not trace on {n} devices: {e}") from e
 
 
-def random_batch(cfg, rng):
-    micro = cfg.batch_size // cfg.grad_accum
-    toks = rng.integers(0, cfg.model.vocab_size, (cfg.grad_accum, micro, cfg.seq_len + 1), dtype=np.int32)
-    seg = np.ones(toks[..., 1:].shape, np.int32)
-    seg[..., cfg.seq_len // 2:] = 2
-    mask = np.ones(seg.shape, np.float32)
-    mask[..., cfg.seq_len // 2 - 1] = 0
-    return {"tokens": toks[..., :-1], "targets": toks[..., 1:], "segment_ids": seg, "loss_mask": mask}
+STATED = re.compile(r"~(\d+(?:\.(\d+))?)([MB]) parameters")
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_concrete_step(variant):
-    _, train = modules(variant)
-    cfg = tiny(train)
-    opt, schedule = train.make_optimizer(cfg)
-    mesh = train.make_mesh(cfg)
-    with jax.set_mesh(mesh):
-        state = jax.jit(lambda k: train.init_state(cfg, opt, k))(jax.random.key(0))
-        before = jax.tree.map(np.asarray, state["params"])
-        batch = {k: jax.device_put(v, NamedSharding(mesh, train.batch_spec(1)))
-                 for k, v in random_batch(cfg, np.random.default_rng(0)).items()}
-        step = train.make_train_step(cfg, opt, schedule)
-        state, m = step(state, batch)
-        state, m2 = step(state, batch)
-    loss, loss2 = float(m["loss"]), float(m2["loss"])
-    assert np.isfinite(loss), f"{variant}: first loss is {loss}"
-    assert abs(loss - np.log(cfg.model.vocab_size)) < 1.0, f"{variant}: initial loss {loss} far from ln(V)"
-    assert loss2 < loss, f"{variant}: a second step on the same batch did not lower the loss ({loss} -> {loss2})"
-    changed = jax.tree.map(lambda a, b: not np.array_equal(a, np.asarray(b)), before, state["params"])
-    assert all(jax.tree.leaves(changed)), f"{variant}: some parameters did not change: {changed}"
+@pytest.mark.parametrize("variant,preset", PRESETS, ids=[f"{p}@{v}" for v, p in PRESETS])
+def test_preset_states_its_parameter_count(variant, preset):
+    """A preset's first line says '~<n>M parameters' or '~<n>B parameters', and n is num_params
+    rounded to the digits it states."""
+    model, train = modules(variant)
+    path = cli.presets(os.path.join(ROOT, variant))[preset]
+    with open(path) as f:
+        first = f.readline()
+    m = STATED.search(first)
+    assert m, f"{path}: the first line must state the parameter count as '~<n>M parameters' or '~<n>B parameters'"
+    cfg = draccus.parse(train.TrainConfig, config_path=path, args=[])
+    n = model.num_params(cfg.model) / (1e6 if m.group(3) == "M" else 1e9)
+    digits = len(m.group(2) or "")
+    assert round(n, digits) == float(m.group(1)), \
+        f"{path} states ~{m.group(1)}{m.group(3)} parameters; num_params gives {n:.{digits + 2}f}{m.group(3)}"
+
+
+# ---------------------------------------------------------------- the tiny run
+#
+# Everything concrete runs once per folder, in one TinyRun: three compiled programs (init_state,
+# the train step with grad_accum = 2, and a "model program" giving forward's logits and loss_fn's
+# loss and metrics, without gradients), called on the inputs every check below needs.
+# The checks are functions of a TinyRun, so the tests at the end of this file can run them on a
+# deliberately broken copy of a variant and see them fail.
+
+ROWS, T = 8, 32  # every input here: the tiny config's global batch
+CUT = 13  # the packed rows' document boundary: document 1 is [0, CUT), document 2 [CUT, T)
+LATER = 20  # causality: tokens (and targets) from here on change
+
+
+def _model_program(model, cfg):
+    def f(params, batch):
+        loss, metrics = model.loss_fn(params, batch, cfg.model)
+        logits = model.forward(params, batch["tokens"], cfg.model, segment_ids=batch["segment_ids"])
+        return logits, loss, metrics
+
+    return f
+
+
+def _inputs(vocab):
+    """Named host batches of [ROWS, T] arrays (tokens, targets, segment_ids, loss_mask)."""
+    rng = np.random.default_rng(0)
+    rand = lambda *shape: rng.integers(0, vocab, shape, dtype=np.int32)  # noqa: E731
+    toks = rand(ROWS, T + 1)
+    a = {"tokens": toks[:, :-1], "targets": toks[:, 1:]}
+    one_doc = np.ones((ROWS, T), np.int32)
+    packed = np.where(np.arange(T) < CUT, 1, 2).astype(np.int32)[None].repeat(ROWS, 0)
+    full = np.ones((ROWS, T), np.float32)
+    before = (np.arange(T) < LATER).astype(np.float32)[None].repeat(ROWS, 0)
+    doc1, doc2 = (packed == 1).astype(np.float32), (packed == 2).astype(np.float32)
+
+    def changed(batch, cols):  # new tokens and targets in columns `cols`
+        out = {k: v.copy() for k, v in batch.items()}
+        for k in ("tokens", "targets"):
+            out[k][:, cols] = rand(ROWS, len(range(T)[cols]))
+        return out
+
+    def shifted(lo, hi):  # the tokens of [lo, hi) moved to the start of a row, zeros after
+        out = {k: np.zeros_like(v) for k, v in a.items()}
+        for k in a:
+            out[k][:, : hi - lo] = a[k][:, lo:hi]
+        return out
+
+    alone_seg = lambda n: np.where(np.arange(T) < n, 1, 2).astype(np.int32)[None].repeat(ROWS, 0)  # noqa: E731
+    # accumulation: rows 0-3 have a third of the loss tokens of rows 4-7 (see ACCUMULATION)
+    uneven = full.copy()
+    uneven[: ROWS // 2, ::3] = 0
+    uneven[: ROWS // 2, 1::3] = 0
+    uneven[: ROWS // 2 - 1] = np.roll(uneven[: ROWS // 2 - 1], 1, axis=1)
+    b = lambda toks, seg, mask: {**toks, "segment_ids": seg, "loss_mask": mask}  # noqa: E731
+    return {
+        "causal_a": b(a, one_doc, before),
+        "causal_b": b(changed(a, slice(LATER, None)), one_doc, before),
+        "packed_mask1": b(a, packed, doc1),
+        "packed_mask1_doc2_changed": b(changed(a, slice(CUT, None)), packed, doc1),
+        "packed_mask2": b(a, packed, doc2),
+        "packed_mask2_doc1_changed": b(changed(a, slice(0, CUT)), packed, doc2),
+        "alone1": b(shifted(0, CUT), alone_seg(CUT), full),
+        "alone2": b(shifted(CUT, T), alone_seg(T - CUT), full),
+        "uneven": b(a, packed, uneven),
+        # the same batch with the loss mask on rows 0-3 only, then on rows 4-7 only
+        "uneven_first": b(a, packed, uneven * (np.arange(ROWS) < ROWS // 2)[:, None]),
+        "uneven_second": b(a, packed, uneven * (np.arange(ROWS) >= ROWS // 2)[:, None]),
+    }
+
+
+# The train step's micro-batches, as rows of the "uneven" batch: once split 1:3 in loss tokens,
+# once evenly. Token-weighted accumulation of exact terms gives the same step for any split; a
+# term averaged over its own count (rows, all tokens, its own mask) is right only for the even one.
+ACCUMULATION = {"uneven_split": [[0, 1, 2, 3], [4, 5, 6, 7]], "even_split": [[0, 1, 4, 5], [2, 3, 6, 7]]}
+
+
+class TinyRun:
+    """One folder's tiny config run for real on the 8 CPU devices; see the comment above. The model
+    program and the train steps run when a check first asks for their results."""
+
+    def __init__(self, folder):
+        self.folder = folder
+        self.model, self.train = modules(folder)
+        self.cfg = cfg = tiny(self.train, grad_accum=2)
+        assert cfg.batch_size == ROWS and cfg.seq_len == T, f"{folder}: CONTRACT_TINY must keep 8 rows of 32 tokens"
+        self.opt, self.schedule = self.train.make_optimizer(cfg)
+        self.mesh = self.train.make_mesh(cfg)
+        self.key = jax.random.key(0)
+        self.inputs = _inputs(cfg.model.vocab_size)
+        with jax.set_mesh(self.mesh):
+            self.init = jax.jit(lambda k: self.train.init_state(cfg, self.opt, k)).lower(self.key).compile(COMPILE)
+            self.params_before = jax.tree.map(np.asarray, self.init(self.key)["params"])
+
+    def put(self, x, lead):
+        return jax.device_put(x, NamedSharding(self.mesh, self.train.batch_spec(lead)))
+
+    @functools.cached_property
+    def out(self) -> dict:
+        """input name -> (logits, loss, metrics) of the model program, as numpy."""
+        with jax.set_mesh(self.mesh):
+            params = self.init(self.key)["params"]
+            first = {k: self.put(v, 0) for k, v in self.inputs["causal_a"].items()}
+            program = jax.jit(_model_program(self.model, self.cfg)).lower(params, first).compile(COMPILE)
+            return {name: jax.tree.map(np.asarray, program(params, {k: self.put(v, 0) for k, v in batch.items()}))
+                    for name, batch in self.inputs.items()}
+
+    @functools.cached_property
+    def metrics(self) -> dict:
+        """The train step from the same initial state on each split of the uneven batch (ACCUMULATION),
+        and a second step after the first split's ("second_step"); sets params_after and the structures."""
+        out, step = {}, self.train.make_train_step(self.cfg, self.opt, self.schedule)
+        with jax.set_mesh(self.mesh):
+            for name, rows in ACCUMULATION.items():
+                micro = {k: self.put(v[np.asarray(rows)], 1) for k, v in self.inputs["uneven"].items()}
+                state = self.init(self.key)
+                if name == "uneven_split":
+                    self.state_structure = jax.tree.structure(state)
+                    step = step.trace(state, micro).lower().compile(COMPILE)
+                state, m = step(state, micro)
+                out[name] = jax.tree.map(np.asarray, m)
+                if name == "uneven_split":
+                    state, m = step(state, micro)
+                    out["second_step"] = jax.tree.map(np.asarray, m)
+                    self.params_after = jax.tree.map(np.asarray, state["params"])
+                    self.out_structure = jax.tree.structure(state)
+        return out
 
 
 @functools.cache
-def _forward_fn(variant):
-    model, train = modules(variant)
-    cfg = tiny(train)
-    mesh = train.make_mesh(cfg)
-    with jax.set_mesh(mesh):
-        params = jax.jit(lambda k: model.init(cfg.model, k))(jax.random.key(1))
-    put = lambda x: jax.device_put(jnp.asarray(x), NamedSharding(mesh, train.batch_spec()))  # noqa: E731
-    return mesh, params, put, jax.jit(lambda p, t, s: model.forward(p, t, cfg.model, segment_ids=s))
+def tiny_run(folder) -> TinyRun:
+    return TinyRun(folder)
 
 
-def _forward(variant, tokens, segment_ids=None):
-    mesh, params, put, f = _forward_fn(variant)
-    if segment_ids is None:  # one compiled program for both tests: no ids = one document per row
-        segment_ids = np.ones_like(tokens)
-    with jax.set_mesh(mesh):
-        return np.asarray(f(params, put(tokens), put(segment_ids)))
+def check_step(r: TinyRun):
+    """Two real train steps: the first loss near ln(V), the second lower, every parameter moved."""
+    loss, loss2 = float(r.metrics["uneven_split"]["loss"]), float(r.metrics["second_step"]["loss"])
+    assert r.out_structure == r.state_structure, f"{r.folder}: the train step changes the state's pytree"
+    assert np.isfinite(loss), f"{r.folder}: first loss is {loss}"
+    assert abs(loss - np.log(r.cfg.model.vocab_size)) < 1.0, f"{r.folder}: initial loss {loss} far from ln(V)"
+    assert loss2 < loss, f"{r.folder}: a second step on the same batch did not lower the loss ({loss} -> {loss2})"
+    changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), r.params_before, r.params_after)
+    assert all(jax.tree.leaves(changed)), f"{r.folder}: some parameters did not change: {changed}"
+
+
+def check_causality(r: TinyRun):
+    """Tokens (and targets) from position LATER on never change forward's logits before LATER, nor
+    the loss when the loss mask covers only positions before LATER: any auxiliary term in loss_fn
+    (another head, a router loss) that looks ahead fails here."""
+    (la, loss_a, *_), (lb, loss_b, *_) = r.out["causal_a"], r.out["causal_b"]
+    np.testing.assert_array_equal(la[:, :LATER], lb[:, :LATER],
+                                  err_msg=f"{r.folder}: later tokens leak into earlier logits (forward)")
+    assert not np.allclose(la[:, LATER:], lb[:, LATER:]), f"{r.folder}: logits ignore the tokens"
+    assert loss_a == loss_b, (f"{r.folder}: loss_fn with the loss mask on positions < {LATER} changes when only "
+                              f"later tokens change ({loss_a!r} -> {loss_b!r}): a term of the loss looks ahead")
+
+
+def check_document_isolation(r: TinyRun):
+    """A packed row gives each document the logits it gets alone (forward), and with the loss mask
+    on one document only, the loss does not move when the other document's tokens change."""
+    packed, alone1, alone2 = (r.out[k][0] for k in ("packed_mask1", "alone1", "alone2"))
+    np.testing.assert_allclose(packed[:, :CUT], alone1[:, :CUT], rtol=1e-5, atol=1e-5,
+                               err_msg=f"{r.folder}: document 1 sees document 2 (forward)")
+    np.testing.assert_allclose(packed[:, CUT:], alone2[:, : T - CUT], rtol=1e-5, atol=1e-5,
+                               err_msg=f"{r.folder}: document 2 sees document 1 (forward)")
+    for mine, other in ((1, 2), (2, 1)):
+        a = r.out[f"packed_mask{mine}"][1]
+        b = r.out[f"packed_mask{mine}_doc{other}_changed"][1]
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=0, err_msg=(
+            f"{r.folder}: loss_fn with the loss mask on document {mine} only changes when document {other}'s "
+            f"tokens change: a term of the loss crosses documents"))
+
+
+def check_loss_accumulation(r: TinyRun):
+    """loss_fn on a batch equals the token-weighted mean of loss_fn on its two halves (the loss mask
+    on rows 0-3 only, then on rows 4-7 only, 1:3 in loss tokens): true when every term of the loss
+    is a sum over the loss tokens divided by their count, which is what makes train.py's
+    token-weighted gradient accumulation exact. A term averaged over its own count (all tokens,
+    rows, its own mask) fails."""
+    whole, first, second = (r.out[k] for k in ("uneven", "uneven_first", "uneven_second"))
+    n1, n2 = float(first[2]["tokens"]), float(second[2]["tokens"])
+    weighted = (n1 * float(first[1]) + n2 * float(second[1])) / (n1 + n2)
+    np.testing.assert_allclose(float(whole[1]), weighted, rtol=1e-5, err_msg=(
+        f"{r.folder}: loss_fn on a batch is not the token-weighted mean of loss_fn on its parts, so gradient "
+        "accumulation is inexact; every term of loss_fn must be a sum over the batch's loss tokens divided "
+        "by their count (AGENTS.md, 'Auxiliary losses')"))
+
+
+def check_step_accumulation(r: TinyRun):
+    """The train step with grad_accum = 2 gives the same loss and gradient norm whether the global
+    batch's rows are split 1:3 or evenly in loss tokens (ACCUMULATION), and the loss of loss_fn on
+    the whole batch at once."""
+    uneven, even = r.metrics["uneven_split"], r.metrics["even_split"]
+    np.testing.assert_allclose(uneven["grad_norm"], even["grad_norm"], rtol=2e-5, err_msg=(
+        f"{r.folder}: the gradient accumulated over 2 micro-batches depends on how the rows are split; every "
+        "term of loss_fn must be a sum over the batch's loss tokens divided by their count (AGENTS.md, "
+        "'Auxiliary losses')"))
+    whole = r.out["uneven"][2]
+    for name, m in (("split 1:3", uneven), ("even split", even)):
+        np.testing.assert_allclose(m["loss"], whole["loss"], rtol=2e-6, err_msg=(
+            f"{r.folder}: the loss accumulated over 2 micro-batches ({name}) differs from loss_fn's on the whole batch"))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_step(variant):
+    check_step(tiny_run(variant))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_causality(variant):
-    """Changing a later token never changes the logits of earlier positions."""
-    _, train = modules(variant)
-    V, T = tiny(train).model.vocab_size, 32
-    rng = np.random.default_rng(0)
-    a = rng.integers(0, V, (4, T), dtype=np.int32)
-    b = a.copy()
-    b[:, 20:] = rng.integers(0, V, (4, T - 20), dtype=np.int32)
-    la, lb = _forward(variant, a), _forward(variant, b)
-    np.testing.assert_array_equal(la[:, :20], lb[:, :20], err_msg=f"{variant}: later tokens leak into earlier logits")
-    assert not np.allclose(la[:, 20:], lb[:, 20:]), f"{variant}: logits ignore the tokens"
+    check_causality(tiny_run(variant))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_document_isolation(variant):
-    """A packed row gives each document the logits it gets alone."""
-    _, train = modules(variant)
-    V, T, cut = tiny(train).model.vocab_size, 32, 13
-    rng = np.random.default_rng(1)
-    packed = rng.integers(0, V, (4, T), dtype=np.int32)
-    seg = np.where(np.arange(T) < cut, 1, 2).astype(np.int32)[None].repeat(4, 0)
-    out = _forward(variant, packed, seg)
-    first = np.zeros_like(packed)
-    first[:, :cut] = packed[:, :cut]
-    second = np.zeros_like(packed)
-    second[:, : T - cut] = packed[:, cut:]
-    alone1 = _forward(variant, first, np.where(np.arange(T) < cut, 1, 2).astype(np.int32)[None].repeat(4, 0))
-    alone2 = _forward(variant, second, np.where(np.arange(T) < T - cut, 1, 2).astype(np.int32)[None].repeat(4, 0))
-    np.testing.assert_allclose(out[:, :cut], alone1[:, :cut], rtol=1e-5, atol=1e-5,
-                               err_msg=f"{variant}: document 1 sees document 2")
-    np.testing.assert_allclose(out[:, cut:], alone2[:, : T - cut], rtol=1e-5, atol=1e-5,
-                               err_msg=f"{variant}: document 2 sees document 1")
+    check_document_isolation(tiny_run(variant))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_accumulation_is_exact(variant):
+    r = tiny_run(variant)
+    check_loss_accumulation(r)
+    check_step_accumulation(r)
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "templates/base"])
+def test_shared_weights_start_as_the_parents(variant):
+    """At the same seed, every weight a variant shares with its declared parent (same path, same
+    shape) starts from the same values, so a variant and its parent can be compared from identical
+    starting weights (init derives each weight's key from its name)."""
+    mine, parents = tiny_run(variant), tiny_run(modules(variant)[0].COPIED_FROM)
+    flat = lambda r: {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(r.params_before)[0]}  # noqa: E731
+    a, b = flat(mine), flat(parents)
+    shared = [k for k in a if k in b and a[k].shape == b[k].shape]
+    assert "['embed']" in shared, f"{variant}: shares no embedding with its parent at the tiny config"
+    differ = [k for k in shared if not np.array_equal(a[k], b[k])]
+    assert not differ, f"{variant}: weights shared with its parent start from other values: {differ}"
+
+
+def _with_attention_backend(cfg, name):
+    """cfg with every attention layer on backend `name` (the global layers only, where a variant's
+    config refuses `name` for its local layers); None if the config refuses it altogether."""
+    local = {"local_attention_backend": name} if hasattr(cfg.model, "local_attention_backend") else {}
+    for fields in ({"attention_backend": name, **local}, {"attention_backend": name, "local_attention_backend": "auto"}):
+        if "local_attention_backend" in fields and not local:
+            continue
+        try:
+            return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **fields))
+        except ValueError:
+            continue
+    return None
+
+
+def compare_attention_backends(r: TinyRun, names) -> dict:
+    """Run the model program with each attention backend in `names` named explicitly and check its
+    logits and loss against `auto`'s (r.out). Returns {backend: why} for those refused."""
+    refused = {}
+    for name in names:
+        cfg = _with_attention_backend(r.cfg, name)
+        if cfg is None:
+            refused[name] = "refused by the config"
+            continue
+        with jax.set_mesh(r.mesh):
+            params = r.init(r.key)["params"]
+            batch = {k: r.put(v, 0) for k, v in r.inputs["packed_mask1"].items()}
+            try:
+                logits, loss, _ = jax.jit(_model_program(r.model, cfg))(params, batch)
+            except kernels.KernelError as e:
+                refused[name] = str(e)
+                continue
+        want_logits, want_loss, _ = r.out["packed_mask1"]
+        tol = 2e-2 if cfg.model.compute_dtype == "bfloat16" else 1e-5
+        np.testing.assert_allclose(float(loss), want_loss, rtol=tol, err_msg=f"{r.folder}: attention backend {name}")
+        np.testing.assert_allclose(np.asarray(logits), want_logits, rtol=tol, atol=tol,
+                                   err_msg=f"{r.folder}: attention backend {name}")
+    return refused
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_attention_backend_gives_autos_loss(variant):
+    """The model program with each attention backend available here, named explicitly (on every
+    layer, or on the global layers where the config refuses it for the local ones), gives the logits
+    and loss of `auto`'s choice; a backend that refuses the tiny config's calls is passed over with
+    its reason. Only the reference runs on CPU, where this test has nothing to compare."""
+    names = kernels.available_backends("attention")
+    if names == ["reference"]:
+        pytest.skip("only the reference attention runs here, and auto picks it: nothing to compare")
+    refused = compare_attention_backends(tiny_run(variant), names)
+    print(f"{variant}: compared {[n for n in names if n not in refused]}; refused {refused}")
+
+
+def test_backend_comparison_catches_a_wrong_backend(monkeypatch):
+    """Two test-only CPU attention backends: the reference's math passes, 0.1% off fails."""
+    A = importlib.import_module("shared.kernels.attention")  # the module (kernels.attention is the function)
+
+    def backend(name, factor):
+        return A.Backend(name, lambda: None, lambda c: None, lambda q, k, v, **kw: A.reference(q, k, v, **kw) * factor,
+                         lambda c: "test-only: never picked by auto")
+
+    registry = {"right": backend("right", 1.0), "wrong": backend("wrong", 1.001), **A.BACKENDS}
+    monkeypatch.setattr(A, "BACKENDS", registry)
+    monkeypatch.setitem(kernels.REGISTRIES, "attention", registry)
+    r = tiny_run("variants/dense")
+    assert compare_attention_backends(r, ["right"]) == {}
+    with pytest.raises(AssertionError, match="attention backend wrong"):
+        compare_attention_backends(r, ["wrong"])
+
+
+# ---------------------------------------------------------------- the contract catches what it should
+#
+# Copies of variants/dense whose loss_fn adds one broken auxiliary term (the forward pass is
+# untouched, so only the checks through the loss can see it). Each must fail its check.
+
+BROKEN = {
+    # a head that reads the next position's hidden state: causal in forward, not in the loss
+    "looks_ahead": ("check_causality", """
+    aux = jnp.sum(batch["loss_mask"][:, :-1] * jnp.sum(h[:, 1:] * h[:, :-1], -1)) / n"""),
+    # a causal running mean over the whole row, blind to document boundaries
+    "crosses_documents": ("check_document_isolation", """
+    run = jnp.cumsum(h, axis=1) / jnp.arange(1, h.shape[1] + 1)[None, :, None]
+    aux = jnp.sum(batch["loss_mask"] * jnp.sum(run * h, -1)) / n"""),
+    # exact under masks and documents, but averaged per row instead of over the loss tokens
+    "normalised_per_row": ("check_loss_accumulation", """
+    aux = jnp.sum(batch["loss_mask"] * jnp.sum(h * h, -1)) / batch["tokens"].shape[0]"""),
+}
+
+
+def broken_copy(tmp_path, kind):
+    folder = tmp_path / f"dense_{kind}"
+    for name in ("model.py", "train.py"):
+        folder.mkdir(exist_ok=True)
+        (folder / name).write_text(open(os.path.join(ROOT, "variants/dense", name)).read())
+    with open(folder / "model.py", "a") as f:
+        f.write(f"""
+
+_loss_without_aux = loss_fn
+
+
+def loss_fn(params, batch, cfg: ModelConfig):
+    loss, metrics = _loss_without_aux(params, batch, cfg)
+    h = hidden_states(params, batch["tokens"], cfg, segment_ids=batch["segment_ids"]).astype(jnp.float32)
+    n = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0){BROKEN[kind][1]}
+    return loss + 10.0 * aux, metrics
+""")
+    return str(folder)
+
+
+@pytest.mark.parametrize("kind", BROKEN)
+def test_contract_catches_a_broken_auxiliary_loss(kind, tmp_path):
+    check = globals()[BROKEN[kind][0]]
+    r = TinyRun(broken_copy(tmp_path, kind))
+    with pytest.raises(AssertionError, match="a term of the loss|every term of loss_fn"):
+        check(r)

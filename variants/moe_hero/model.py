@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import math
+import zlib
 from dataclasses import dataclass
 
 import jax
@@ -79,7 +80,7 @@ class ModelConfig:
     n_shared: int = 1  # always-on shared experts (0 = none)
     d_expert: int = 96  # SwiGLU width of one expert (routed or shared)
     routed_scale: float = 1.0  # combine weights = renormalised top-k scores * routed_scale
-    router_z_loss: float = 0.0  # weight of mean(logsumexp(router logits)^2)
+    router_z_loss: float = 0.0  # weight of mean(logsumexp(router logits)^2) over the loss tokens
     balance_loss: float = 0.0  # weight of the sequence-level balance loss (DeepSeek-V3 uses 1e-4)
     dispatch: str = "dropless"  # "dropless" | "capacity"
     capacity_factor: float = 1.25  # capacity mode: slots per expert = ceil(cf * assignments / n_experts)
@@ -296,7 +297,9 @@ def init(cfg: ModelConfig, key) -> dict:
     dtype = jnp.dtype(cfg.param_dtype)
     is_shape = lambda s: isinstance(s, tuple)  # noqa: E731
     paths, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=is_shape)
-    keys = jax.random.split(key, len(paths))
+    # each weight's key from its name (not its place in the tree): a copy that adds weights starts
+    # the ones it shares with its parent from the same values at the same seed
+    keys = [jax.random.fold_in(key, zlib.crc32(jax.tree_util.keystr(p).encode())) for p, _ in paths]
     leaves = []
     for (path, shape), k, spec in zip(paths, keys, jax.tree.leaves(specs)):
         name = path[-1].key
@@ -565,8 +568,9 @@ def _capacity(xs, e_sorted, counts, wg, wu, wd, *, ep, slots):
     return jnp.where(kept[:, None], y[jnp.minimum(slot, E * slots - 1)], 0), kept
 
 
-def _moe_local(x, w_router, bias, wg, wu, wd, *, cfg: ModelConfig, ep: int, a2a: str, matmul: str):
-    """The routed experts on one device's tokens x [B_l, T, D] (inside shard_map).
+def _moe_local(x, weight, w_router, bias, wg, wu, wd, *, cfg: ModelConfig, ep: int, a2a: str, matmul: str):
+    """The routed experts on one device's tokens x [B_l, T, D] (inside shard_map); weight [B_l, T]
+    (the loss mask) says which tokens the router z-loss and the balance loss count.
 
     Returns (output [B_l, T, D], stats): stats are summed over the data and expert axes.
     """
@@ -589,17 +593,23 @@ def _moe_local(x, w_router, bias, wg, wu, wd, *, cfg: ModelConfig, ep: int, a2a:
     out = jnp.zeros((N, D), jnp.float32).at[tok].add(y.astype(jnp.float32) * w.reshape(A)[order][:, None])
     out = jax.lax.psum(out, "model").astype(x.dtype)  # the experts' width is sharded over `model`
 
-    # sequence-level balance loss (DeepSeek-V3): sum_i f_i P_i per row, f from the choice, P from scores
+    # sequence-level balance loss (DeepSeek-V3): sum_i f_i P_i per row over the row's loss tokens
+    # (T_r of them), f from the choice, P from the scores; summed as T_r * that, so that loss_fn's
+    # division by the loss-token count gives the token-weighted mean over rows (exact under accumulation)
+    wt = weight.astype(jnp.float32)
+    t_r = jnp.sum(wt, axis=1)  # [B] loss tokens per row
     rows = jnp.repeat(jnp.arange(B), T * k)
-    f = jnp.zeros((B, E), jnp.float32).at[rows, flat].add(1.0) * (E / (k * T))
-    p = jnp.mean((scores / jnp.sum(scores, axis=-1, keepdims=True)).reshape(B, T, E), axis=1)
-    stats = {"load": counts, "dropped": dropped,
-             "router_z": jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2), "balance": jnp.sum(f * p)}
+    c = jnp.zeros((B, E), jnp.float32).at[rows, flat].add(jnp.repeat(wt.reshape(N), k))  # masked choices
+    s_sum = jnp.einsum("bt,bte->be", wt, (scores / jnp.sum(scores, axis=-1, keepdims=True)).reshape(B, T, E))
+    balance = jnp.sum(E / k * jnp.sum(c * s_sum, axis=-1) / jnp.maximum(t_r, 1.0))  # sum_r T_r * sum_i f_i P_i
+    router_z = jnp.sum(wt.reshape(N) * jax.nn.logsumexp(logits, axis=-1) ** 2)
+    stats = {"load": counts, "dropped": dropped, "router_z": router_z, "balance": balance}
     return out.reshape(B, T, D), jax.lax.psum(stats, ("data", "expert"))
 
 
-def moe_ffn(h, layer, cfg: ModelConfig):
-    """Routed experts (shard_map over the whole mesh) + shared experts, on h [B, T, D].
+def moe_ffn(h, layer, cfg: ModelConfig, weight=None):
+    """Routed experts (shard_map over the whole mesh) + shared experts, on h [B, T, D]; weight
+    [B, T] (the loss mask; default all ones) says which tokens router_z and balance count.
 
     Returns (output, stats) with stats {"load" [E], "dropped", "router_z", "balance"} as global sums.
     """
@@ -611,11 +621,12 @@ def moe_ffn(h, layer, cfg: ModelConfig):
     a2a = cfg.a2a if cfg.a2a != "auto" else ("ragged" if jax.default_backend() in ("gpu", "tpu") else "dense")
     matmul = expert_matmul(cfg, jax.default_backend())
     ex, exd = P("expert", None, "model"), P("expert", "model", None)
-    args = (h, reshard(layer["router"], P(None, None)), reshard(layer["router_bias"], P(None)),
+    weight = reshard(jnp.ones(h.shape[:2], jnp.float32) if weight is None else weight, P(BATCH, None))
+    args = (h, weight, reshard(layer["router"], P(None, None)), reshard(layer["router_bias"], P(None)),
             gather(layer["ex_gate"], ex, dt), gather(layer["ex_up"], ex, dt), gather(layer["ex_down"], exd, dt))
     routed, stats = jax.shard_map(
         functools.partial(_moe_local, cfg=cfg, ep=ep, a2a=a2a, matmul=matmul),
-        in_specs=(P(BATCH, None, None), P(None, None), P(None), ex, ex, exd),
+        in_specs=(P(BATCH, None, None), P(BATCH, None), P(None, None), P(None), ex, ex, exd),
         out_specs=(P(BATCH, None, None), P()),
     )(*args)
     if cfg.n_shared:
@@ -633,8 +644,9 @@ REMAT = {
 }
 
 
-def hidden_states(params, tokens, cfg: ModelConfig, *, segment_ids=None):
-    """(final-norm hidden states [B, T, D] in the compute dtype, per-MoE-layer stats stacked on axis 0)."""
+def hidden_states(params, tokens, cfg: ModelConfig, *, segment_ids=None, loss_mask=None):
+    """(final-norm hidden states [B, T, D] in the compute dtype, per-MoE-layer stats stacked on axis 0).
+    loss_mask [B, T] (default all ones): the tokens the router z-loss and balance loss count."""
     dt = jnp.dtype(cfg.compute_dtype)
     tokens = reshard(tokens, P(BATCH, None))
     if segment_ids is not None:
@@ -651,7 +663,7 @@ def hidden_states(params, tokens, cfg: ModelConfig, *, segment_ids=None):
     def moe_step(x, layer_and_kind):
         layer, is_global = layer_and_kind
         x = attention(x, layer, angles, segment_ids, is_global, cfg)
-        y, stats = moe_ffn(rms_norm(x, layer["mlp_norm"], cfg.norm_eps), layer, cfg)
+        y, stats = moe_ffn(rms_norm(x, layer["mlp_norm"], cfg.norm_eps), layer, cfg, loss_mask)
         return x + y, stats
 
     if cfg.remat != "none":
@@ -680,18 +692,21 @@ def loss_fn(params, batch, cfg: ModelConfig):
     """Mean next-token cross-entropy (+ z-loss, router z-loss, balance loss). Returns (loss, metrics).
 
     metrics: loss, z, tokens as in dense; load [n_moe_layers, E] (assignments per expert),
-    dropped (assignments dropped, all layers), assignments (all layers), router_z and balance
-    (means over tokens / rows and layers).
+    dropped (assignments dropped, all layers), assignments (all layers), router_z (mean over the
+    loss tokens and the layers of logsumexp(router logits)^2) and balance (the per-row balance
+    loss over each row's loss tokens, averaged over rows weighted by their loss tokens, and layers).
     """
-    h, st = hidden_states(params, batch["tokens"], cfg, segment_ids=batch["segment_ids"])
     targets, mask = (reshard(batch[k], P(BATCH, None)) for k in ("targets", "loss_mask"))  # rows as h's
+    h, st = hidden_states(params, batch["tokens"], cfg, segment_ids=batch["segment_ids"], loss_mask=mask)
     nll, zsq = kernels.cross_entropy(h, unembedding(params, cfg), targets, mask)
     n = jnp.maximum(jnp.sum(mask), 1.0)
     ce, z = nll / n, zsq / n
     B, T = batch["tokens"].shape
     Lm = cfg.n_moe_layers
-    router_z = jnp.sum(st["router_z"]) / (B * T * Lm)
-    balance = jnp.sum(st["balance"]) / (B * Lm)
+    # every term is a sum over this batch's loss tokens divided by their count n, so train.py's
+    # token-weighted gradient accumulation equals the large batch (AGENTS.md, "Auxiliary losses")
+    router_z = jnp.sum(st["router_z"]) / (n * Lm)
+    balance = jnp.sum(st["balance"]) / (n * Lm)
     loss = ce
     if cfg.z_loss:
         loss = loss + cfg.z_loss * z

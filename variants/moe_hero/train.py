@@ -95,7 +95,9 @@ class TrainConfig:
 # tokens a row and 8 rows on a data x model = 4 x 2 mesh, with these overrides on top ("model": {...}
 # for ModelConfig fields). A copy that adds a path the default never reaches at that size (a window
 # shorter than the row, several chunks, another mesh axis) sets it here, so the contract runs it.
-CONTRACT_TINY: dict = {"mesh_expert": 2, "model": {"window": 16}}  # experts over 2 devices (all-to-all); a sliding window
+# experts over 2 devices (all-to-all); a sliding window; the router z-loss and balance loss switched
+# on, so the contract's causality, document and accumulation checks through the loss cover them
+CONTRACT_TINY: dict = {"mesh_expert": 2, "model": {"window": 16, "router_z_loss": 0.1, "balance_loss": 0.1}}
 
 
 # ---------------------------------------------------------------- mesh, optimizer, steps
@@ -182,7 +184,8 @@ def make_train_step(cfg: TrainConfig, optimizer, schedule):
         new = {"params": new_params, "opt": opt, "step": state["step"] + 1}
         out = {"loss": jnp.sum(ms["loss"] * ms["tokens"]) / total, "z": jnp.sum(ms["z"] * ms["tokens"]) / total,
                "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"]),
-               "router_z": jnp.mean(ms["router_z"]), "balance": jnp.mean(ms["balance"]),
+               "router_z": jnp.sum(ms["router_z"] * ms["tokens"]) / total,
+               "balance": jnp.sum(ms["balance"] * ms["tokens"]) / total,
                "dropped": jnp.sum(ms["dropped"]) / jnp.sum(ms["assignments"]), "bias_norm": jnp.linalg.norm(bias),
                **load_stats(load)}
         return new, out

@@ -29,6 +29,7 @@ embeddings, z-loss, bfloat16 compute, remat policy); this variant adds:
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 
 import jax
@@ -175,7 +176,9 @@ def init(cfg: ModelConfig, key) -> dict:
     flat, treedef = jax.tree.flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
     names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
         shapes, is_leaf=lambda s: isinstance(s, tuple))[0]]
-    keys = jax.random.split(key, len(flat))
+    # each weight's key from its name (not its place in the tree): a copy that adds weights starts
+    # the ones it shares with its parent from the same values at the same seed
+    keys = [jax.random.fold_in(key, zlib.crc32(name.encode())) for name in names]
     leaves = []
     for name, shape, k, spec in zip(names, flat, keys, jax.tree.leaves(specs)):
         if "norm" in name:
