@@ -1,4 +1,5 @@
-"""shared/checkpoint: atomic saves, keep-last-N, restore onto other meshes, clear mismatches."""
+"""shared/checkpoint: atomic saves, keep-last-N, restore onto other meshes, clear mismatches, no
+non-finite state saved, integrity (missing, truncated, altered files), safe deletion, a failing disk."""
 
 import os
 
@@ -76,3 +77,114 @@ def test_mismatch_names_the_leaf(tmp_path):
         checkpoint.restore(path, bad)
     with pytest.raises(checkpoint.CheckpointError, match="lacks 1 leaves"):
         checkpoint.restore(path, dict(src, extra=src["b"]))
+
+
+# ---------------------------------------------------------------- never a bad state, integrity
+
+def test_a_nonfinite_state_is_never_saved(tmp_path):
+    m = mesh(8, (4, 2))
+    src = tree(m)
+    good = checkpoint.save(str(tmp_path), 1, src, {})
+    with jax.set_mesh(m):
+        bad = dict(src, w=src["w"].at[3, 5].set(jnp.nan, out_sharding=P("data", "model")))
+    with pytest.raises(checkpoint.CheckpointError, match=r"not saving step 2: non-finite values in 1 leaves.*\['w'\]"
+                                                         r".*step_00000001"):
+        checkpoint.save(str(tmp_path), 2, bad, {})
+    assert sorted(os.listdir(tmp_path)) == ["step_00000001"]
+    assert checkpoint.latest(str(tmp_path)) == good
+
+
+def _two_checkpoints(tmp_path):
+    src = tree(mesh(8, (4, 2)))
+    first = checkpoint.save(str(tmp_path), 1, src, {})
+    second = checkpoint.save(str(tmp_path), 2, src, {})
+    chunks = sorted(p for p in (tmp_path / "step_00000002" / "arrays" / "w").rglob("*") if p.is_file()
+                    and p.name != "zarr.json")
+    assert len(chunks) == 8  # one chunk per shard of the 4 x 2 mesh
+    return src, first, second, chunks
+
+
+def test_a_missing_chunk_is_an_error_never_zeros(tmp_path):
+    src, first, second, chunks = _two_checkpoints(tmp_path)
+    chunks[3].unlink()
+    rel = os.path.relpath(chunks[3], tmp_path / "step_00000002")
+    with pytest.raises(checkpoint.CheckpointError, match=rf"{second} is damaged: {rel} is missing.*"
+                                                         r"Complete checkpoints: \['step_00000001'\]"):
+        checkpoint.latest(str(tmp_path))
+    assert checkpoint.all_checkpoints(str(tmp_path)) == [first]
+    with pytest.raises(checkpoint.CheckpointError, match="is missing"):
+        checkpoint.restore(second, src)
+    got, _ = checkpoint.restore(first, src)  # the older one is intact
+    np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(src["w"]))
+
+
+def test_a_truncated_or_altered_chunk_is_named(tmp_path):
+    src, _, second, chunks = _two_checkpoints(tmp_path)
+    data = chunks[0].read_bytes()
+    chunks[0].write_bytes(data[: len(data) // 2])
+    with pytest.raises(checkpoint.CheckpointError, match=rf"{len(data) // 2} bytes, {len(data)} were written"):
+        checkpoint.latest(str(tmp_path))
+    chunks[0].write_bytes(bytes([data[0] ^ 1]) + data[1:])  # same size, one bit flipped
+    assert checkpoint.latest(str(tmp_path)) == second  # listing checks sizes only
+    with pytest.raises(checkpoint.CheckpointError, match="another CRC32 than was written"):
+        checkpoint.restore(second, src)
+
+
+def test_unreadable_metadata_is_named(tmp_path):
+    _, _, second, _ = _two_checkpoints(tmp_path)
+    with open(os.path.join(second, "metadata.json"), "w") as f:
+        f.write('{"step": 2, "lea')
+    with pytest.raises(checkpoint.CheckpointError, match=r"step_00000002 is damaged: metadata.json unreadable"
+                                                         r".*Complete checkpoints: \['step_00000001'\]"):
+        checkpoint.latest(str(tmp_path))
+
+
+def test_deleting_renames_first_so_a_killed_deletion_leaves_no_checkpoint(tmp_path):
+    src = tree(mesh(1))
+    for s in (1, 2):
+        checkpoint.save(str(tmp_path), s, src, {}, keep=2)
+    # a deletion killed half-way leaves the renamed folder, metadata.json and all: never listed
+    os.rename(tmp_path / "step_00000001", tmp_path / "step_00000001.deleting")
+    assert [os.path.basename(p) for p in checkpoint.all_checkpoints(str(tmp_path))] == ["step_00000002"]
+    checkpoint.save(str(tmp_path), 3, src, {}, keep=2)  # the next save clears the leftover
+    assert sorted(os.listdir(tmp_path)) == ["step_00000002", "step_00000003"]
+    # an old-style half-deletion (files gone, metadata left under the checkpoint's name) is damaged
+    for p in sorted((tmp_path / "step_00000003" / "arrays").rglob("*"), reverse=True):
+        if p.is_file():
+            p.unlink()
+    with pytest.raises(checkpoint.CheckpointError, match="step_00000003 is damaged"):
+        checkpoint.latest(str(tmp_path))
+
+
+FULL_DISK = r"""
+import os, resource, signal, sys
+import jax, jax.numpy as jnp, numpy as np
+from shared import checkpoint
+d = sys.argv[1]
+small = {"w": jnp.ones((8, 8), jnp.float32)}
+first = checkpoint.save(d, 1, small, {})
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+try:
+    checkpoint.save(d, 2, {"w": jnp.ones((1024, 1024), jnp.float32)}, {})
+except checkpoint.CheckpointError as e:
+    print("ERROR", e)
+print("LEFT", sorted(os.listdir(d)))
+got, _ = checkpoint.restore(first, small)
+print("RESTORED", float(np.asarray(got["w"]).sum()))
+"""
+
+
+def test_a_failing_disk_leaves_no_partial_save_and_the_last_checkpoint_intact(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    out = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path / "ck")], capture_output=True, text=True,
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ERROR saving step 2 to" in out.stdout and "partial files were removed" in out.stdout, out.stdout
+    assert "the last checkpoint is " + str(tmp_path / "ck" / "step_00000001") in out.stdout, out.stdout
+    assert "LEFT ['step_00000001']" in out.stdout, out.stdout
+    assert "RESTORED 64.0" in out.stdout, out.stdout

@@ -166,7 +166,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(small_corpus, tmp_path, m
         return wrapped
 
     monkeypatch.setattr(train, "make_train_step", poisoned)
-    with pytest.raises(train.TrainingError, match=r"loss is nan at step 5.*step_00000003"):
+    with pytest.raises(train.TrainingError, match=r"loss nan, grad_norm .* at step 5.*step_00000003"):
         train.main(small(small_corpus, tmp_path, steps=8, save_every=3))
     ckpts = checkpoint.all_checkpoints(str(tmp_path / "checkpoints"))
     assert [os.path.basename(c) for c in ckpts] == ["step_00000003"]
@@ -200,3 +200,31 @@ def test_cli_trains_samples_and_reports_bad_flags(small_corpus, tmp_path):
     for text in ("--model.n_kv_heads", "--grad_accum", "--data.source", "125m", "8b"):
         assert text in usage.stdout, f"--help does not mention {text}"
     assert "-1 = min(20, steps // 10)" in " ".join(usage.stdout.split()), "--help does not explain warmup_steps = -1"
+
+
+@pytest.mark.parametrize("poison", ["grad_norm", "params"])
+def test_a_bad_update_with_a_finite_loss_is_never_saved(small_corpus, tmp_path, monkeypatch, poison):
+    """The loss of step N comes before step N's update: a step whose update is bad (a non-finite
+    gradient norm; or weights gone non-finite with finite metrics) is never saved as good."""
+    real = train.make_train_step
+
+    def poisoned(*args):
+        step, calls = real(*args), [0]
+
+        def wrapped(state, batch):
+            state, m = step(state, batch)
+            calls[0] += 1
+            if calls[0] == 6:  # step 6, a save step: its loss is finite, its update is not
+                state = jax.tree.map(lambda x: x * jnp.nan if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+                if poison == "grad_norm":
+                    m = dict(m, grad_norm=m["grad_norm"] * jnp.nan)
+            return state, m
+
+        return wrapped
+
+    monkeypatch.setattr(train, "make_train_step", poisoned)
+    error = (train.TrainingError, r"loss [0-9.]+, grad_norm nan at step 6.*step_00000003") if poison == "grad_norm" \
+        else (checkpoint.CheckpointError, r"not saving step 6: non-finite values.*step_00000003")
+    with pytest.raises(error[0], match=error[1]):
+        train.main(small(small_corpus, tmp_path, steps=8, save_every=3))
+    assert [os.path.basename(c) for c in checkpoint.all_checkpoints(str(tmp_path / "checkpoints"))] == ["step_00000003"]

@@ -283,11 +283,10 @@ def main(cfg: TrainConfig) -> dict:
         def settle(step, m):
             """Fetch step's metrics (one step late, so the host never stalls the device)."""
             m = jax.device_get(m)
-            loss = float(m["loss"])
-            if not np.isfinite(loss):
-                good = checkpoint.latest(ckpt_dir)
-                raise TrainingError(f"loss is {loss} at step {step}; stopped without saving. "
-                                    f"Last good checkpoint: {good or 'none'} (untouched)")
+            loss, grad_norm = float(m["loss"]), float(m["grad_norm"])
+            if not (np.isfinite(loss) and np.isfinite(grad_norm)):  # a non-finite gradient: step's update is bad too
+                raise TrainingError(f"loss {loss}, grad_norm {grad_norm} at step {step}; stopped without saving. "
+                                    f"Last good checkpoint: {checkpoint.latest_name(ckpt_dir)} (untouched)")
             losses[step] = loss
             return m
 
