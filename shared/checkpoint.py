@@ -230,6 +230,20 @@ def latest(directory: str) -> str | None:
     return dirs[-1]
 
 
+def find(directory: str, which: str) -> str:
+    """The checkpoint `which` names: a step number (of `directory`) or a checkpoint folder's path.
+    Raises CheckpointError if it does not exist or is damaged, listing the complete ones."""
+    path = os.path.join(directory, f"step_{int(which):08d}") if which.isdigit() else which.rstrip("/")
+    good = [os.path.basename(g) for g in all_checkpoints(os.path.dirname(path) or ".")]
+    if not os.path.isdir(path):
+        raise CheckpointError(f"no checkpoint {path}; complete checkpoints there: {good or 'none'}")
+    problems = verify(path)
+    if problems:
+        raise CheckpointError(f"checkpoint {path} is damaged: {'; '.join(problems[:5])}. "
+                              f"Complete checkpoints there: {good or 'none'}")
+    return path
+
+
 def read_metadata(path: str) -> dict:
     with open(os.path.join(path, "metadata.json")) as f:
         meta = json.load(f)

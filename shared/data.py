@@ -67,6 +67,8 @@ class Corpus:
     eos_id: int
     train: Split
     val: Split
+    digest: str = ""  # sha256 of the documents (text) or of the token array (.npy): what the data is
+    tokenizer_digest: str = ""  # sha256 of the tokenizer's json file ("" without one)
 
     def encode(self, text: str) -> list[int]:
         return self._tok().encode(text, add_special_tokens=False).ids
@@ -285,6 +287,8 @@ def load_corpus(cfg: DataConfig, vocab_size: int, *, progress: bool = True) -> C
         raise DataError(f"vocab_size must be in [1, 2**32], got {vocab_size}")
     if cfg.source.strip().endswith(".npy"):
         tokens, ends, eos_id, tok = _pretokenized(cfg, vocab_size)
+        digest = hashlib.sha256(np.ascontiguousarray(tokens).tobytes()).hexdigest()
+        tok_digest = hashlib.sha256(open(cfg.tokenizer, "rb").read()).hexdigest() if cfg.tokenizer else ""
     else:
         docs = read_documents(cfg)
         h = hashlib.sha256(f"docs-v{FORMAT_VERSION}".encode())
@@ -306,7 +310,7 @@ def load_corpus(cfg: DataConfig, vocab_size: int, *, progress: bool = True) -> C
             _atomic(base + ".tokens.npy", lambda tmp: np.save(tmp, tokens))
             _atomic(base + ".ends.npy", lambda tmp: np.save(tmp, ends))
     train, val = split_documents(tokens, ends, cfg.val_fraction)
-    return Corpus(tok, vocab_size, eos_id, train, val)
+    return Corpus(tok, vocab_size, eos_id, train, val, digest, tok_digest)
 
 
 # ---------------------------------------------------------------- packing and order

@@ -29,7 +29,7 @@ import optax  # noqa: E402
 from jax.sharding import AbstractMesh, AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from shared import checkpoint, cli, data, distributed, flops, kernels, metrics  # noqa: E402
+from shared import checkpoint, cli, data, distributed, flops, guard, kernels, metrics  # noqa: E402
 from shared.variant import sibling  # noqa: E402
 
 model = sibling(__file__, "model")
@@ -63,6 +63,8 @@ class TrainConfig:
     keep_checkpoints: int = 3
     run_dir: str = ""  # "" = runs/<variant>-<time>; with --resume, the newest runs/<variant>-*
     resume: bool = False  # continue from the newest good checkpoint in run_dir
+    resume_from: str = ""  # continue from this checkpoint: a step of run_dir's, or a checkpoint's path
+    watchdog_s: int = 1800  # abort (exit 70, every thread's stack written) if no step completes this long; 0 = off
     wandb: str = "auto"  # auto | online | offline | disabled
     sample_tokens: int = 64  # tokens sampled at the end (0 = no sample)
     sample_prompt: str = "def "
@@ -81,6 +83,7 @@ class TrainConfig:
         check(self.mesh_model > 0, "mesh_model", f"must be positive, got {self.mesh_model}")
         check(self.mesh_data == -1 or self.mesh_data > 0, "mesh_data", f"must be -1 or positive, got {self.mesh_data}")
         check(self.eval_every > 0 and self.log_every > 0, "eval_every", "eval_every and log_every must be positive")
+        check(self.watchdog_s >= 0, "watchdog_s", f"must be >= 0 (0 = off), got {self.watchdog_s}")
 
 
 # What the contract test (tests/test_contract.py) runs on 8 CPU devices: the CPU default at 32
@@ -216,10 +219,16 @@ class TrainingError(RuntimeError):
     """The run cannot go on (a non-finite loss, a checkpoint that does not match)."""
 
 
+class Preempted(Exception):
+    """Stopped on SIGTERM, SIGINT or SIGUSR1 after saving a checkpoint; exit with guard.EXIT_PREEMPTED."""
+
+
 def pick_run_dir(cfg: TrainConfig) -> str:
     if cfg.run_dir:
         return cfg.run_dir
-    if cfg.resume:
+    if cfg.resume_from and not cfg.resume_from.isdigit():  # <run_dir>/checkpoints/step_XXXXXXXX
+        return os.path.dirname(os.path.dirname(os.path.abspath(cfg.resume_from)))
+    if cfg.resume or cfg.resume_from:
         runs = sorted(d for d in os.listdir("runs") if d.startswith(VARIANT + "-")) if os.path.isdir("runs") else []
         runs = [os.path.join("runs", d) for d in runs if checkpoint.latest(os.path.join("runs", d, "checkpoints"))]
         if not runs:
@@ -232,15 +241,22 @@ def pick_run_dir(cfg: TrainConfig) -> str:
 def main(cfg: TrainConfig) -> dict:
     mesh = make_mesh(cfg)  # validates mesh/batch/width divisibility before anything is compiled
     run_dir = pick_run_dir(cfg)
+    lock = guard.RunLock(run_dir)  # one run per directory: a second one is refused, naming the first
     ckpt_dir = os.path.join(run_dir, "checkpoints")
-    last = checkpoint.latest(ckpt_dir)
-    if last and not cfg.resume:
+    resume = cfg.resume or bool(cfg.resume_from)
+    last = checkpoint.find(ckpt_dir, cfg.resume_from) if cfg.resume_from else checkpoint.latest(ckpt_dir)
+    if last and not resume:
         raise TrainingError(f"{run_dir} already has checkpoints ({os.path.basename(last)}); "
                             "pass --resume true to continue it, or another --run_dir")
-    if cfg.resume and not last:
+    if resume and not last:
         raise TrainingError(f"--resume: no complete checkpoint in {ckpt_dir}")
 
-    corpus = data.load_corpus(cfg.data, cfg.model.vocab_size, progress=jax.process_index() == 0)
+    tokenizer_file = os.path.join(run_dir, "tokenizer.json")
+    data_cfg = cfg.data
+    if last and not data_cfg.tokenizer and os.path.exists(tokenizer_file):
+        data_cfg = dataclasses.replace(data_cfg, tokenizer=tokenizer_file)  # the run's own: token ids keep their meaning
+    corpus = data.load_corpus(data_cfg, cfg.model.vocab_size, progress=jax.process_index() == 0)
+    stream = {"corpus": corpus.digest, "tokenizer": corpus.tokenizer_digest, "seq_len": cfg.seq_len}
     loader = data.Loader(corpus.train, cfg.seq_len, cfg.batch_size, cfg.data.seed,
                          process_index=jax.process_index(), process_count=jax.process_count())
     val = data.eval_batches(corpus.val, cfg.seq_len, cfg.batch_size // cfg.grad_accum, cfg.eval_batches,
@@ -251,12 +267,22 @@ def main(cfg: TrainConfig) -> dict:
         key = jax.random.key(cfg.seed)
         start = 0
         if last:
-            saved = checkpoint.read_metadata(last)["config"]
+            saved_meta = checkpoint.read_metadata(last)
+            saved = saved_meta["config"]
             for part in ("model", "data"):
                 now = dataclasses.asdict(getattr(cfg, part))
-                diff = {k: (saved[part].get(k), v) for k, v in now.items() if saved[part].get(k) != v}
+                paths = ("source", "tokenizer", "cache_dir") if part == "data" else ()  # content: compared below
+                diff = {k: (saved[part].get(k), v) for k, v in now.items() if saved[part].get(k) != v and k not in paths}
                 if diff:
                     raise TrainingError(f"--resume: {part} config differs from {last}: {diff} (saved, now)")
+            was = saved_meta.get("stream", {})
+            diff = {k: (was[k], v) for k, v in stream.items() if k in was and was[k] != v}
+            if diff:
+                raise TrainingError(f"--resume: the data stream differs from {last}'s: {diff} (saved, now). A changed "
+                                    "corpus, tokenizer or seq_len would change the data or the meaning of token ids")
+            if saved_meta["step"] >= (cfg.stop_at or cfg.steps):
+                raise TrainingError(f"--resume: {last} is at step {saved_meta['step']}, and this run ends at step "
+                                    f"{cfg.stop_at or cfg.steps} (--steps / --stop_at): nothing to train")
             abstract = jax.eval_shape(lambda k: init_state(cfg, optimizer, k), key)
             state, meta = checkpoint.restore(last, abstract)
             loader.restore(meta["loader"])
@@ -272,13 +298,13 @@ def main(cfg: TrainConfig) -> dict:
         end = cfg.stop_at or cfg.steps
         log = metrics.Logger(run_dir, dataclasses.asdict(cfg), total_steps=end, wandb_mode=cfg.wandb,
                              name=os.path.basename(run_dir), start_step=start, process_index=jax.process_index())
-        if corpus.tokenizer is not None and jax.process_index() == 0:
-            corpus.tokenizer.save(os.path.join(run_dir, "tokenizer.json"))
+        if corpus.tokenizer is not None and jax.process_index() == 0 and not os.path.exists(tokenizer_file):
+            corpus.tokenizer.save(tokenizer_file)  # never over the run's own
         log.write(f"{VARIANT}: {n_params / 1e6:.2f}M params, {fpt / 1e6:.1f} MFLOP/token, mesh {dict(mesh.shape)}, "
                   f"{tokens_per_step} tokens/step, steps {start}->{end}, run dir {run_dir}")
 
         def save(step, state):
-            meta = {"config": dataclasses.asdict(cfg), "loader": loader.state(), "variant": VARIANT}
+            meta = {"config": dataclasses.asdict(cfg), "loader": loader.state(), "variant": VARIANT, "stream": stream}
             return checkpoint.save(ckpt_dir, step, state, meta, keep=cfg.keep_checkpoints)
 
         losses, val_loss, pending = {}, None, None
@@ -292,8 +318,11 @@ def main(cfg: TrainConfig) -> dict:
                 raise TrainingError(f"loss {loss}, grad_norm {grad_norm} at step {step}; stopped without saving. "
                                     f"Last good checkpoint: {checkpoint.latest_name(ckpt_dir)} (untouched)")
             losses[step] = loss
+            watchdog.beat()  # a step completed (the first beat arms it: compilation is not counted)
             return m
 
+        stop = guard.StopSignals()  # SIGTERM / SIGINT / SIGUSR1: finish the step, save, exit 75
+        watchdog = guard.Watchdog(cfg.watchdog_s, run_dir)
         try:
             for step in range(start + 1, end + 1):
                 b = loader.next()
@@ -331,12 +360,23 @@ def main(cfg: TrainConfig) -> dict:
                         settle(*pending)
                         pending = None
                     save(step, state)
+                if step != end and stop.requested():  # every process stops at the same step
+                    if pending is not None:
+                        settle(*pending)
+                        pending = None
+                    path = save(step, state)
+                    log.write(f"stopped by a signal after step {step}: saved {path}; exiting with code "
+                              f"{guard.EXIT_PREEMPTED}. Continue with --resume true --run_dir {run_dir}")
+                    raise Preempted(f"preempted after step {step}; checkpoint {path}")
             if pending is not None:
                 settle(*pending)
             if end > start:
                 save(end, state)
         finally:
+            watchdog.stop()
+            stop.restore()
             log.close()
+            lock.release()
 
         text = ""
         if cfg.sample_tokens and corpus.tokenizer is not None:  # every process takes part, one prints
@@ -351,5 +391,8 @@ if __name__ == "__main__":
     config = cli.parse(TrainConfig, HERE)
     try:
         main(config)
-    except (model.ConfigError, data.DataError, TrainingError, checkpoint.CheckpointError) as e:
+    except Preempted as e:
+        print(e, file=sys.stderr)
+        sys.exit(guard.EXIT_PREEMPTED)
+    except (model.ConfigError, data.DataError, TrainingError, checkpoint.CheckpointError, guard.RunLockError) as e:
         sys.exit(f"error: {e}")

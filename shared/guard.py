@@ -1,0 +1,191 @@
+"""What keeps a run safe from its surroundings: one run per directory, preemption, hangs.
+
+- `RunLock(run_dir)`: a `LOCK` file naming the pid and host of the run that holds the
+  directory. A second run in the same directory is refused with that name; a lock left by
+  a dead process on this host is taken over. Only process 0 of a multi-process run locks.
+- `StopSignals()`: SIGTERM (what schedulers send before they preempt), SIGINT (Ctrl-C) and
+  SIGUSR1 (what SLURM sends with `--signal`) set a flag; the train loop finishes its
+  current step, saves a checkpoint and exits with `EXIT_PREEMPTED`. A second signal exits
+  at once with the same code (the last checkpoint is intact; resume from it). `requested()`
+  is agreed by every process of a multi-process run, so they all stop at the same step.
+- `Watchdog(seconds, run_dir)`: a thread that aborts the process with `EXIT_HUNG` when no
+  training step has completed for `seconds` (a stuck collective, a wedged device), after
+  writing every thread's Python stack to stderr and to `<run_dir>/hang-<pid>.txt`. It is
+  armed by the first `beat()`, so the first step's compilation is not counted.
+
+Both immediate exits (a second signal, the watchdog) release the run lock first, so a requeued
+run on another host is not refused by the lock of a process that is gone.
+
+Exit codes: 75 (`EXIT_PREEMPTED`: stopped on a signal, checkpoint saved; requeue and
+resume) and 70 (`EXIT_HUNG`: no progress; requeue). launch/ maps both to a requeue.
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+
+EXIT_PREEMPTED = 75
+EXIT_HUNG = 70
+
+
+class RunLockError(RuntimeError):
+    pass
+
+
+_HELD: list = []  # this process's locks: released before an os._exit too (a second signal, the watchdog)
+
+
+def _exit_now(code: int) -> None:
+    for lock in list(_HELD):
+        lock.release()
+    os._exit(code)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RunLock:
+    """Holds `<run_dir>/LOCK` for this process (process 0 only) until `release()`."""
+
+    def __init__(self, run_dir: str):
+        self.path = os.path.join(run_dir, "LOCK")
+        self.held = False
+        if jax.process_index() != 0:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                here = holder is not None and holder.get("host") == me["host"]
+                if holder is None or (here and (not _alive(int(holder.get("pid", -1))) or holder["pid"] == me["pid"])):
+                    # unreadable, left by a dead process on this host, or this process's own (an earlier
+                    # main() in the same process, e.g. a notebook): take it over, atomically
+                    stale = f"{self.path}.stale-{os.getpid()}"
+                    try:
+                        os.rename(self.path, stale)
+                        os.remove(stale)
+                    except FileNotFoundError:
+                        pass  # another run took it over first; the next O_EXCL decides
+                    continue
+                raise RunLockError(
+                    f"{run_dir} is in use by pid {holder.get('pid')} on {holder.get('host')} (since "
+                    f"{holder.get('since')}); one run per directory. If that run is gone (another host, a "
+                    f"container that was killed), delete {self.path}")
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            _HELD.append(self)
+            atexit.register(self.release)  # also when the run stops on an error before its loop
+            return
+        raise RunLockError(f"could not take {self.path}: another run keeps taking it")
+
+    def _holder(self) -> dict | None:
+        try:
+            with open(self.path) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+    def release(self) -> None:
+        if self.held and (self._holder() or {}).get("pid") == os.getpid():
+            os.remove(self.path)
+        self.held = False
+        if self in _HELD:
+            _HELD.remove(self)
+
+
+class StopSignals:
+    """Turns SIGTERM, SIGINT and SIGUSR1 into a request to stop after the current step."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+    def __init__(self):
+        self.signal: int | None = None
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():  # handlers only install there
+            for s in self.SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.signal is not None:
+            print(f"\nsecond signal ({signal.Signals(signum).name}): exiting now, without saving; the last "
+                  f"checkpoint is intact", file=sys.stderr, flush=True)
+            _exit_now(EXIT_PREEMPTED)
+        self.signal = signum
+        print(f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint and exiting "
+              f"with code {EXIT_PREEMPTED} (a second signal exits at once)", file=sys.stderr, flush=True)
+
+    def requested(self) -> bool:
+        """True when any process got a signal (all processes agree: one small all-gather per call)."""
+        mine = self.signal is not None
+        if jax.process_count() == 1:
+            return mine
+        from jax.experimental import multihost_utils
+
+        return bool(np.any(multihost_utils.process_allgather(np.int32(mine))))
+
+    def restore(self) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+        self._previous = {}
+
+
+class Watchdog:
+    """Aborts the process when `beat()` has not been called for `seconds` (0 = off)."""
+
+    def __init__(self, seconds: float, run_dir: str):
+        self.seconds, self.run_dir = float(seconds), run_dir
+        self._last: float | None = None
+        self._done = threading.Event()
+        self._thread = None
+        if self.seconds > 0:
+            self._thread = threading.Thread(target=self._watch, name="stencil-watchdog", daemon=True)
+            self._thread.start()
+
+    def beat(self) -> None:
+        self._last = time.monotonic()
+
+    def _watch(self) -> None:
+        while not self._done.wait(min(self.seconds / 4, 5.0)):
+            if self._last is not None and time.monotonic() - self._last > self.seconds:
+                self._abort()
+
+    def _abort(self) -> None:
+        msg = (f"\nwatchdog: no training step completed for {self.seconds:.0f} s (watchdog_s); aborting with "
+               f"exit code {EXIT_HUNG}. Every thread's stack follows")
+        path = os.path.join(self.run_dir, f"hang-{os.getpid()}.txt")
+        try:
+            with open(path, "w") as f:
+                f.write(msg.strip() + "\n")
+                faulthandler.dump_traceback(file=f, all_threads=True)
+            msg += f" (also in {path})"
+        except OSError as e:
+            msg += f" (could not write {path}: {e})"
+        print(msg + ":", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        _exit_now(EXIT_HUNG)
+
+    def stop(self) -> None:
+        self._done.set()

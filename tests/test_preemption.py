@@ -1,0 +1,201 @@
+"""Runs that meet their surroundings: preemption signals, a second run in the same directory, a
+hung step, and resumes that would silently change the data (shared/guard.py, the train loop).
+
+The signal and watchdog tests run variants/dense/train.py as a real process (a signal or an
+abort must not take pytest with it); the rest call main() in this process."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from shared import checkpoint, data, guard
+from shared.variant import ROOT, load
+
+train = load(os.path.join(ROOT, "variants", "dense", "train.py"))
+model = train.model
+TINY = ["--model.vocab_size", "512", "--model.d_model", "64", "--model.n_layers", "2", "--model.n_heads", "4",
+        "--model.n_kv_heads", "2", "--model.head_dim", "16", "--model.d_ff", "128", "--seq_len", "32",
+        "--batch_size", "8", "--log_every", "1", "--eval_every", "1000", "--eval_batches", "1",
+        "--wandb", "disabled", "--sample_tokens", "0", "--data.val_fraction", "0.1"]
+
+
+def small(small_corpus, run_dir, **over):
+    kw = dict(
+        data=data.DataConfig(source=small_corpus, val_fraction=0.1),
+        model=model.ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128),
+        seq_len=32, batch_size=8, steps=6, warmup_steps=1, eval_every=1000, eval_batches=1, log_every=1,
+        save_every=3, run_dir=str(run_dir), wandb="disabled", sample_tokens=0)
+    kw.update(over)
+    return train.TrainConfig(**kw)
+
+
+def losses(run_dir) -> dict:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def start(small_corpus, run_dir, *args):
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "variants", "dense", "train.py"), *TINY,
+                             "--data.source", small_corpus, "--run_dir", str(run_dir), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": ROOT})
+
+
+def wait_for_step(run_dir, step, proc, timeout=240):
+    t = time.time()
+    while time.time() - t < timeout:
+        if os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and max(losses(run_dir), default=0) >= step:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended before step {step}: {proc.communicate()[1][-3000:]}")
+        time.sleep(0.2)
+    raise AssertionError(f"no step {step} within {timeout} s")
+
+
+# ---------------------------------------------------------------- preemption
+
+def test_sigterm_saves_exits_75_and_the_resume_is_bit_exact(small_corpus, tmp_path):
+    run = tmp_path / "preempted"
+    proc = start(small_corpus, run, "--steps", "500", "--warmup_steps", "1", "--save_every", "0")
+    wait_for_step(run, 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == guard.EXIT_PREEMPTED, err[-3000:]
+    saved = checkpoint.latest(str(run / "checkpoints"))
+    step = checkpoint.read_metadata(saved)["step"]
+    assert 3 <= step < 500 and f"stopped by a signal after step {step}: saved {saved}" in out + err
+    assert not (run / "LOCK").exists()
+    first = losses(run)
+    assert max(first) == step
+    end = step + 3  # the same 500-step schedule, stopped early
+    resumed = train.main(small(small_corpus, run, steps=500, save_every=0, stop_at=end, resume=True))["losses"]
+    assert sorted(resumed) == list(range(step + 1, end + 1))
+    straight = train.main(small(small_corpus, tmp_path / "straight", steps=500, save_every=0, stop_at=end))["losses"]
+    assert {**first, **resumed} == straight  # every loss, before and after the stop, bit for bit
+
+
+SECOND_SIGNAL = """
+import os, signal, time
+from shared import guard
+stop = guard.StopSignals()
+os.kill(os.getpid(), signal.SIGUSR1)
+print("first", stop.signal == signal.SIGUSR1, stop.requested(), flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(5)
+print("not reached", flush=True)
+"""
+
+
+def test_a_second_signal_exits_at_once():
+    out = subprocess.run([sys.executable, "-c", SECOND_SIGNAL], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
+    assert out.returncode == guard.EXIT_PREEMPTED and "first True True" in out.stdout, out
+    assert "not reached" not in out.stdout and "second signal (SIGTERM): exiting now" in out.stderr
+
+
+# ---------------------------------------------------------------- one run per directory
+
+def test_a_second_run_in_the_same_directory_is_refused(small_corpus, tmp_path):
+    holder = subprocess.Popen(["sleep", "60"])
+    try:
+        tmp_path.mkdir(exist_ok=True)
+        (tmp_path / "LOCK").write_text(json.dumps({"pid": holder.pid, "host": socket.gethostname(), "since": "now"}))
+        with pytest.raises(guard.RunLockError, match=rf"in use by pid {holder.pid} on {socket.gethostname()}"):
+            train.main(small(small_corpus, tmp_path, steps=2))
+        assert not (tmp_path / "checkpoints").exists()
+        # a lock on another host is never taken over, whatever its pid
+        (tmp_path / "LOCK").write_text(json.dumps({"pid": 1, "host": "another-host", "since": "now"}))
+        with pytest.raises(guard.RunLockError, match="in use by pid 1 on another-host"):
+            guard.RunLock(str(tmp_path))
+    finally:
+        holder.kill()
+        holder.wait()
+    # the holder is dead now: its lock is stale and the run takes it over, then releases it
+    (tmp_path / "LOCK").write_text(json.dumps({"pid": holder.pid, "host": socket.gethostname(), "since": "now"}))
+    out = train.main(small(small_corpus, tmp_path, steps=2, save_every=0))
+    assert sorted(out["losses"]) == [1, 2] and not (tmp_path / "LOCK").exists()
+
+
+# ---------------------------------------------------------------- a hung step
+
+HANG = """
+import sys, time
+from shared.variant import load
+train = load(sys.argv[1])
+real = train.make_train_step
+
+def hanging(*args):
+    step, calls = real(*args), [0]
+    def wrapped(state, batch):
+        calls[0] += 1
+        if calls[0] == 4:
+            time.sleep(600)  # a stuck collective, as far as the loop can tell
+        return step(state, batch)
+    return wrapped
+
+train.make_train_step = hanging
+train.main(train.cli.parse(train.TrainConfig, train.HERE, sys.argv[2:]))
+"""
+
+
+def test_the_watchdog_aborts_a_hung_step_with_every_stack(small_corpus, tmp_path):
+    t = time.time()
+    out = subprocess.run([sys.executable, "-c", HANG, os.path.join(ROOT, "variants", "dense", "train.py"), *TINY,
+                          "--data.source", small_corpus, "--run_dir", str(tmp_path), "--steps", "20",
+                          "--watchdog_s", "4"], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+    assert out.returncode == guard.EXIT_HUNG, out.stderr[-3000:]
+    assert time.time() - t < 240
+    assert "watchdog: no training step completed for 4 s" in out.stderr
+    assert "in wrapped" in out.stderr  # the hung thread's stack, down to the sleeping step
+    dumps = [p for p in os.listdir(tmp_path) if p.startswith("hang-")]
+    assert len(dumps) == 1 and "in wrapped" in (tmp_path / dumps[0]).read_text()
+    assert max(losses(tmp_path)) == 3  # steps 1-3 ran and were logged; step 4 hung
+    assert not (tmp_path / "LOCK").exists()  # released before the abort: a requeue elsewhere may take the directory
+
+
+# ---------------------------------------------------------------- resume refuses what it cannot honour
+
+def test_resume_refuses_what_would_change_the_data(small_corpus, tmp_path):
+    run = tmp_path / "run"
+    train.main(small(small_corpus, run, steps=6, stop_at=3))
+    tokenizer = (run / "tokenizer.json").read_bytes()
+    with pytest.raises(train.TrainingError, match=r"at step 3, and this run ends at step 3.*nothing to train"):
+        train.main(small(small_corpus, run, steps=6, stop_at=3, resume=True))
+    with pytest.raises(train.TrainingError, match=r"data stream differs.*'seq_len': \(32, 16\)"):
+        train.main(small(small_corpus, run, steps=6, seq_len=16, resume=True))
+    other = tmp_path / "other"
+    other.mkdir()
+    for name in sorted(os.listdir(os.path.dirname(small_corpus)))[:3]:
+        (other / name).write_text(open(os.path.join(os.path.dirname(small_corpus), name)).read())
+    with pytest.raises(train.TrainingError, match=r"data stream differs.*'corpus'"):
+        train.main(small(small_corpus, run, steps=6, resume=True,
+                         data=data.DataConfig(source=str(other / "*.txt"), val_fraction=0.1)))
+    assert (run / "tokenizer.json").read_bytes() == tokenizer  # never overwritten
+    # a path-only change (the cache directory) cannot change the data: the resume goes on
+    out = train.main(small(small_corpus, run, steps=6, resume=True,
+                           data=data.DataConfig(source=small_corpus, val_fraction=0.1,
+                                                cache_dir=str(tmp_path / "cache2"))))
+    assert sorted(out["losses"]) == [4, 5, 6]
+    assert (run / "tokenizer.json").read_bytes() == tokenizer
+
+
+def test_resume_from_a_named_checkpoint(small_corpus, tmp_path):
+    straight = train.main(small(small_corpus, tmp_path / "a", steps=6, save_every=2, keep_checkpoints=5))
+    ck = tmp_path / "a" / "checkpoints"
+    with pytest.raises(checkpoint.CheckpointError, match=r"no checkpoint .*step_00000005.*\['step_00000002', "
+                                                         r"'step_00000004', 'step_00000006'\]"):
+        train.main(small(small_corpus, tmp_path / "a", steps=6, resume_from="5"))
+    # by path, in another run directory's copy: the run directory follows from the path
+    out = train.main(small(small_corpus, "", steps=6, resume_from=str(ck / "step_00000002")))
+    assert out["run_dir"] == str(tmp_path / "a") and sorted(out["losses"]) == [3, 4, 5, 6]
+    assert out["losses"] == {k: v for k, v in straight["losses"].items() if k > 2}
+    assert np.isfinite(list(out["losses"].values())).all()
