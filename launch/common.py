@@ -42,6 +42,43 @@ def has_flag(cmd: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in cmd)
 
 
+def flag_value(cmd: list[str], flag: str) -> str | None:
+    """The value of the last `flag V` / `flag=V` in cmd (None if absent)."""
+    value = None
+    for i, a in enumerate(cmd):
+        if a == flag and i + 1 < len(cmd):
+            value = cmd[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+# Exit codes of train.py (shared/guard.py): stopped on a signal after saving a checkpoint, and aborted
+# by the hang watchdog (stacks written). Both mean "start me again": the scheduler resumes the run.
+EXIT_PREEMPTED, EXIT_HUNG = 75, 70
+
+# A finished checkpoint folder, as shared/checkpoint.py names it (step_XXXXXXXX; a `.tmp` or
+# `.deleting` leftover does not match). train.py needs --resume true exactly when one is there.
+CHECKPOINT_GLOB = "checkpoints/step_" + "[0-9]" * 8
+
+
+def if_checkpoint(run_dir_sh: str, then: str) -> str:
+    """A POSIX sh line that runs `then` when <run_dir>/checkpoints holds a checkpoint folder.
+    run_dir_sh is already a shell word ("$RUN_DIR"); a damaged newest checkpoint still counts, so
+    train.py names it and stops instead of starting over."""
+    return f'for ckpt in {run_dir_sh}/{CHECKPOINT_GLOB}; do if [ -d "$ckpt" ]; then {then}; fi; done'
+
+
+def refuse_resume_flags(cmd: list[str], launcher: str) -> None:
+    """A requeued or restarted job runs the same command again, so the launcher decides --resume."""
+    why = {"--resume": "to continue a run, pass its --run_dir",
+           "--resume_from": "a restart would go back to that checkpoint; copy it into <run_dir>/checkpoints instead"}
+    for flag, hint in why.items():
+        if has_flag(cmd, flag):
+            sys.exit(f"error: {launcher} adds --resume true itself when <run_dir>/checkpoints holds a checkpoint, "
+                     f"so a restarted job continues where it stopped; drop {flag} ({hint})")
+
+
 def shell(cmd: list[str]) -> str:
     """A shell line; arguments holding $VAR stay expandable (double quotes), the rest are quoted."""
     return " ".join(f'"{a}"' if "$" in a and '"' not in a else shlex.quote(a) for a in cmd)

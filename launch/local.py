@@ -7,7 +7,13 @@ STENCIL_PROCESS_ID (see shared/distributed.py) and either K fake CPU devices
 (--platform cpu, the default: XLA_FLAGS=--xla_force_host_platform_device_count=K) or its
 share of this machine's GPUs (--platform gpu: CUDA_VISIBLE_DEVICES=i*K..i*K+K-1). Output is
 streamed line by line, prefixed with [pI]. If any process exits non-zero the others are
-stopped (SIGTERM, then SIGKILL) and this exits non-zero naming it. The GPU mode is not
+stopped (SIGTERM, then SIGKILL) and this exits non-zero naming it.
+
+Preemption: SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 sent to this launcher are passed on to every
+process (they run in their own sessions, so a terminal's Ctrl-C reaches them only this way,
+once). The processes agree on a step, save a checkpoint and exit with 75 (shared/guard.py);
+then this exits with 75 too ("requeue": continue with --resume true). A second signal is
+passed on as well, and the processes exit at once. The GPU mode is not
 exercised by the tests (no GPU here).
 """
 
@@ -25,6 +31,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ROOT, add_train_args, train_args  # noqa: E402
+
+
+EXIT_PREEMPTED = 75  # shared/guard.py: stopped on a signal after saving a checkpoint
 
 
 def free_port() -> int:
@@ -86,15 +95,24 @@ def launch(cmd: list[str], nproc: int, devices: int, platform: str = "cpu", time
            out=sys.stdout) -> int:
     """Run cmd as nproc processes; 0 when all succeed, else 1 after stopping the rest."""
     port = free_port()
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=process_env(i, nproc, port, devices, platform),
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=process_env(i, nproc, port, devices, platform), start_new_session=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(nproc)]
+
+    def forward(signum, frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    forwarded = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+    previous = {s: signal.signal(s, forward) for s in forwarded} if threading.current_thread() is threading.main_thread() \
+        else {}
     pumps = [threading.Thread(target=_pump, args=(i, p.stdout, out), daemon=True) for i, p in enumerate(procs)]
     for t in pumps:
         t.start()
     start, failed = time.monotonic(), None
     try:
         while failed is None and any(p.poll() is None for p in procs):
-            if any(p.poll() not in (None, 0) for p in procs):
+            if any(p.poll() not in (None, 0, EXIT_PREEMPTED) for p in procs):  # 75: stopping on a signal, saved
                 time.sleep(0.5)  # let a peer that failed with it be reaped too
                 failed = _cause([(i, p.poll()) for i, p in enumerate(procs) if p.poll() not in (None, 0)])
                 break
@@ -102,11 +120,14 @@ def launch(cmd: list[str], nproc: int, devices: int, platform: str = "cpu", time
                 failed = f"timed out after {timeout:.0f}s"
             time.sleep(0.2)
         if failed is None:
-            bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
+            bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode not in (0, EXIT_PREEMPTED)]
             if bad:
                 failed = _cause(bad)
     except KeyboardInterrupt:
         failed = "interrupted"
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
     if failed is not None:
         _stop(procs)
     for t in pumps:
@@ -114,6 +135,10 @@ def launch(cmd: list[str], nproc: int, devices: int, platform: str = "cpu", time
     if failed is not None:
         print(f"launch/local.py: {failed}; stopped the other processes", file=sys.stderr, flush=True)
         return 1
+    if any(p.returncode == EXIT_PREEMPTED for p in procs):
+        print(f"launch/local.py: stopped on a signal after a checkpoint; exiting with {EXIT_PREEMPTED} "
+              "(continue with --resume true)", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
     return 0
 
 

@@ -5,9 +5,16 @@
 
 Inside `srun`, shared/distributed.py hands start-up to JAX's SLURM detection (coordinator
 = first node of the step, port from the job id; process id = SLURM_PROCID). One task per
-node sees all of its GPUs through JAX_LOCAL_DEVICE_IDS. --run_dir defaults to
-runs/<variant>-$SLURM_JOB_ID so a requeued job resumes itself (--resume true is added when
-the job was requeued). Written for a generic SLURM site; not run on a real cluster here.
+node sees all of its GPUs through JAX_LOCAL_DEVICE_IDS. Written for a generic SLURM site;
+not run on a real cluster here.
+
+Preemption and requeue (launch/README.md): `#SBATCH --signal=USR1@<--signal-lead>` makes SLURM
+send SIGUSR1 to every task that long before the time limit; train.py finishes its step, saves
+a checkpoint and exits 75. On 75, or 70 (its hang watchdog fired), the script requeues the job
+(`scontrol requeue`: same job id, so the same run directory) unless it has already been
+requeued --max-requeues times; any other failure fails the job. --run_dir defaults to
+runs/<variant>-$SLURM_JOB_ID, and --resume true is added exactly when <run_dir>/checkpoints
+holds a checkpoint (train.py refuses --resume without one, and a run dir with one without it).
 """
 
 from __future__ import annotations
@@ -17,16 +24,20 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ROOT, add_train_args, has_flag, shell, train_args, write_output  # noqa: E402
+from common import (EXIT_HUNG, EXIT_PREEMPTED, ROOT, add_train_args, flag_value, has_flag, if_checkpoint,  # noqa: E402
+                    refuse_resume_flags, shell, train_args, write_output)
 
 
 def script(args: argparse.Namespace) -> str:
     cmd = train_args(args, args.python)
+    refuse_resume_flags(cmd, "launch/slurm.py")
     if not has_flag(cmd, "--run_dir"):
         cmd += ["--run_dir", f"runs/{args.variant}-$SLURM_JOB_ID"]
+    run_dir = flag_value(cmd, "--run_dir")
     lines = ["#!/bin/bash", f"#SBATCH --job-name=stencil-{args.variant}", f"#SBATCH --nodes={args.nodes}",
              "#SBATCH --ntasks-per-node=1", f"#SBATCH --time={args.time}", "#SBATCH --output=slurm-%j.out",
-             "#SBATCH --requeue"]
+             "#SBATCH --open-mode=append",  # a requeued job keeps its earlier output (a hang's stacks)
+             "#SBATCH --requeue", f"#SBATCH --signal=USR1@{args.signal_lead}"]
     if args.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={args.gpus_per_node}")
     if args.cpus_per_task:
@@ -37,9 +48,43 @@ def script(args: argparse.Namespace) -> str:
     lines += ["", "set -euo pipefail", f"cd {shell([args.workdir])}"]
     if args.gpus_per_node:
         lines.append("export JAX_LOCAL_DEVICE_IDS=" + ",".join(str(i) for i in range(args.gpus_per_node)))
-    lines += ["export STENCIL_INIT_TIMEOUT=${STENCIL_INIT_TIMEOUT:-600}",
-              'RESUME=(); if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then RESUME=(--resume true); fi',
-              "", f'srun --kill-on-bad-exit=1 {shell(cmd)} "${{RESUME[@]}}"', ""]
+    lines += [
+        "export STENCIL_INIT_TIMEOUT=${STENCIL_INIT_TIMEOUT:-600}",
+        "",
+        f"# Preemption (launch/README.md): SIGUSR1 reaches every task {args.signal_lead} s before the time limit;",
+        f"# train.py saves a checkpoint and exits {EXIT_PREEMPTED}. On {EXIT_PREEMPTED}, or {EXIT_HUNG} (its hang "
+        "watchdog fired), the job",
+        "# requeues itself (same job id, same RUN_DIR) at most MAX_REQUEUES times and resumes from the newest",
+        "# checkpoint in RUN_DIR. Any other failure fails the job.",
+        f"RUN_DIR={shell([run_dir])}",
+        f"MAX_REQUEUES={args.max_requeues}",
+        'RESUME=(); START="no checkpoint yet, a fresh start"',
+        if_checkpoint('"$RUN_DIR"', 'RESUME=(--resume true); START="resuming from its newest checkpoint"'),
+        'echo "stencil: job $SLURM_JOB_ID (requeued ${SLURM_RESTART_COUNT:-0} times): $RUN_DIR, $START"',
+        "",
+        # not --kill-on-bad-exit: the first task to exit 75 would get the others killed by a signal while
+        # they shut down, and srun reports a signal (128+n) over any exit code. A crashed task's peers are
+        # stopped by JAX's coordination service instead (heartbeats, launch/README.md).
+        "rc=0",
+        f'srun --kill-on-bad-exit=0 {shell(cmd)} ${{RESUME[@]+"${{RESUME[@]}}"}} || rc=$?',
+        'case "$rc" in',
+        "  0) ;;",
+        f"  {EXIT_PREEMPTED}|{EXIT_HUNG})",
+        # srun has returned, so this run's process 0 is gone; an abort (hang, a second signal) leaves its
+        # LOCK behind, naming a node the requeued job may not get (shared/guard.py RunLock)
+        '    rm -f "$RUN_DIR/LOCK"',
+        '    if [ "${SLURM_RESTART_COUNT:-0}" -lt "$MAX_REQUEUES" ]; then',
+        '      echo "stencil: train.py exited $rc; requeueing job $SLURM_JOB_ID to resume from $RUN_DIR" >&2',
+        '      scontrol requeue "$SLURM_JOB_ID" || { echo "stencil: scontrol requeue failed" >&2; exit "$rc"; }',
+        "    else",
+        '      echo "stencil: train.py exited $rc, but the job was already requeued ${SLURM_RESTART_COUNT:-0} times'
+        ' (MAX_REQUEUES=$MAX_REQUEUES): not requeued. To continue from its checkpoint, submit a script made with'
+        ' -- --run_dir $RUN_DIR" >&2',
+        '      exit "$rc"',
+        "    fi ;;",
+        '  *) echo "stencil: train.py failed (exit $rc); not requeued" >&2; exit "$rc" ;;',
+        "esac",
+        ""]
     return "\n".join(lines)
 
 
@@ -49,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus-per-node", type=int, default=8, help="0 = CPU nodes")
     p.add_argument("--cpus-per-task", type=int, default=0)
     p.add_argument("--time", default="24:00:00")
+    p.add_argument("--signal-lead", type=int, default=180,
+                   help="seconds before the time limit at which every task gets SIGUSR1 (train.py saves and exits "
+                        "75): more than one step plus one checkpoint save (default 180)")
+    p.add_argument("--max-requeues", type=int, default=20,
+                   help="requeue on exit 75 (preempted) or 70 (hung) while SLURM_RESTART_COUNT is below this; "
+                        "every requeue counts (SLURM's own too): allow runtime / --time of them (default 20)")
     p.add_argument("--partition", default="")
     p.add_argument("--account", default="")
     p.add_argument("--workdir", default=ROOT, help="the repository on the cluster (default: this checkout)")
@@ -56,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-o", "--output", default="-", help="file to write (default: stdout)")
     add_train_args(p)
     args = p.parse_args(argv)
+    if not 1 <= args.signal_lead <= 65535:  # SLURM's limit for --signal's time
+        p.error(f"--signal-lead must be 1..65535 seconds, got {args.signal_lead}")
+    if args.max_requeues < 0:
+        p.error(f"--max-requeues must be >= 0, got {args.max_requeues}")
     return write_output(script(args), args.output, "submit with: sbatch")
 
 

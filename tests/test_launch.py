@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import yaml
 
-from shared import data
+from shared import checkpoint, data
 from shared.variant import ROOT, load
 
 sys.path.insert(0, os.path.join(ROOT, "launch"))
@@ -204,10 +204,93 @@ def test_slurm_script(capsys):
     for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
                  "#SBATCH --partition=gpu", "export JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7"):
         assert line in out.splitlines()
+    for line in ("#SBATCH --requeue", "#SBATCH --signal=USR1@180", "#SBATCH --open-mode=append"):
+        assert line in out.splitlines()
     [srun] = [ln for ln in out.splitlines() if ln.startswith("srun ")]
     assert "python " + " ".join(TRAIN) + ' --run_dir "runs/dense-$SLURM_JOB_ID"' in srun
     r = subprocess.run(["bash", "-n"], input=out, text=True, capture_output=True)
     assert r.returncode == 0, r.stderr
+    out = _run(slurm, ["--signal-lead", "600", "--max-requeues", "3", *OVER], capsys)
+    assert "#SBATCH --signal=USR1@600" in out.splitlines() and "MAX_REQUEUES=3" in out.splitlines()
+    for bad in (["--signal-lead", "0"], ["--max-requeues", "-1"]):
+        with pytest.raises(SystemExit):
+            slurm.main(bad)
+    for flag in (["--resume", "true"], ["--resume_from", "100"]):
+        with pytest.raises(SystemExit, match="adds --resume true itself"):
+            slurm.main(["--", *flag])
+
+
+def _stubs(tmp_path, names):
+    """Executables in a folder of their own that append their argv (one line, space-joined) to
+    <tmp>/<name>.calls and exit with $<NAME>_RC (0 if unset)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name in names:
+        stub = bin_dir / name
+        stub.write_text(f'#!/bin/sh\necho "$*" >> "{tmp_path / (name + ".calls")}"\nexit "${{{name.upper()}_RC:-0}}"\n')
+        stub.chmod(0o755)
+    return str(bin_dir)
+
+
+def _calls(tmp_path, name):
+    path = tmp_path / (name + ".calls")
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_slurm_script_requeues_on_75_and_70_only(tmp_path, capsys):
+    """The generated script run by bash, srun and scontrol stubbed: which exit codes requeue, the cap,
+    and --resume true exactly when the run dir holds a finished checkpoint."""
+    job = tmp_path / "job.sbatch"
+    assert slurm.main(["--nodes", "2", "--workdir", str(tmp_path), "--max-requeues", "2", "-o", str(job), *OVER]) == 0
+    capsys.readouterr()
+    path = _stubs(tmp_path, ["srun", "scontrol"])
+
+    def run(srun_rc, restarts=None, scontrol_rc=0):
+        for name in ("srun", "scontrol"):
+            (tmp_path / (name + ".calls")).unlink(missing_ok=True)
+        env = dict(os.environ, PATH=path + os.pathsep + os.environ["PATH"], SLURM_JOB_ID="42", SRUN_RC=str(srun_rc),
+                   SCONTROL_RC=str(scontrol_rc))
+        env.pop("SLURM_RESTART_COUNT", None)
+        if restarts is not None:
+            env["SLURM_RESTART_COUNT"] = str(restarts)
+        r = subprocess.run(["bash", str(job)], env=env, capture_output=True, text=True, timeout=30)
+        [srun] = _calls(tmp_path, "srun")
+        return r, srun, _calls(tmp_path, "scontrol")
+
+    r, srun, scontrol = run(0)
+    assert r.returncode == 0 and scontrol == [], r.stderr
+    assert srun.startswith("--kill-on-bad-exit=0 python variants/dense/train.py ")
+    assert srun.endswith("--run_dir runs/dense-42"), srun  # no checkpoint yet: no --resume
+    assert "runs/dense-42, no checkpoint yet" in r.stdout
+    for rc in (75, 70):
+        r, srun, scontrol = run(rc)
+        assert r.returncode == 0 and scontrol == ["requeue 42"], (rc, r.stderr)
+        assert "requeueing job 42" in r.stderr
+    r, srun, scontrol = run(75, scontrol_rc=1)  # a job that cannot be requeued fails, with srun's code
+    assert r.returncode == 75 and scontrol == ["requeue 42"] and "scontrol requeue failed" in r.stderr
+    lock = tmp_path / "runs" / "dense-42" / "LOCK"
+    lock.parent.mkdir(parents=True)
+    for rc in (1, 137):
+        lock.write_text("{}")
+        r, srun, scontrol = run(rc)
+        assert r.returncode == rc and scontrol == [], (rc, r.stderr)
+        assert f"train.py failed (exit {rc}); not requeued" in r.stderr
+        assert lock.exists()  # maybe another run's (a refused second run exits 1)
+    run(70)
+    assert not lock.exists()  # left by an abort of this job's process 0, which has exited
+    r, srun, scontrol = run(75, restarts=1)
+    assert scontrol == ["requeue 42"]
+    r, srun, scontrol = run(70, restarts=2)  # the cap: requeued twice already
+    assert r.returncode == 70 and scontrol == [], r.stderr
+    assert "already requeued 2 times (MAX_REQUEUES=2): not requeued" in r.stderr
+
+    ckpts = tmp_path / "runs" / "dense-42" / "checkpoints"
+    (ckpts / "step_00000002.tmp").mkdir(parents=True)  # an unfinished save is not a checkpoint
+    assert run(75)[1].endswith("--run_dir runs/dense-42")
+    (ckpts / "step_00000001").mkdir()
+    r, srun, scontrol = run(75, restarts=1)
+    assert srun.endswith("--run_dir runs/dense-42 --resume true"), srun
+    assert "resuming from its newest checkpoint" in r.stdout and scontrol == ["requeue 42"]
 
 
 @pytest.mark.parametrize("kind", ["jobset", "job"])
@@ -229,10 +312,56 @@ def test_k8s_manifest(kind, capsys):
     pod = job["template"]["spec"]
     assert pod["subdomain"] == "run1"
     [c] = pod["containers"]
-    assert c["image"] == "reg/stencil:1" and c["command"] == ["python", *TRAIN]
+    assert c["image"] == "reg/stencil:1" and c["command"][:2] == ["/bin/sh", "-c"]
+    assert c["command"][2].endswith("exec python " + " ".join(TRAIN) + ' --run_dir runs/run1 "$@"')
+    assert pod["restartPolicy"] == "Never" and pod["terminationGracePeriodSeconds"] == 300
+    rules = job["podFailurePolicy"]["rules"]
+    assert rules == [
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
+        {"action": "Ignore", "onExitCodes": {"containerName": "train", "operator": "In", "values": [75]}},
+        {"action": "Count", "onExitCodes": {"containerName": "train", "operator": "In", "values": [70]}},
+        {"action": "FailJob", "onExitCodes": {"containerName": "train", "operator": "NotIn", "values": [70, 75]}}]
+    assert job["backoffLimit"] == 3 * 4  # --max-hung-restarts (3) per pod
     env = {e["name"]: e["value"] for e in c["env"]}
     assert env["STENCIL_COORDINATOR"] == coordinator and env["STENCIL_NUM_PROCESSES"] == "4"
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 8
+
+
+def test_k8s_command_resumes_from_a_checkpoint(tmp_path, capsys):
+    """The container's sh -c line run by sh, python stubbed: --resume true exactly when the run dir
+    holds a finished checkpoint, and python replaces sh (exec), so it is what gets SIGTERM."""
+    docs = list(yaml.safe_load_all(_run(k8s, ["--kind", "job", "--image", "i", "--grace-period", "900",
+                                              "--max-hung-restarts", "1", "--nodes", "2", "--",
+                                              "--steps", "10", "--run_dir", "/data/r x"], capsys)))
+    job = docs[1]["spec"]
+    assert job["template"]["spec"]["terminationGracePeriodSeconds"] == 900 and job["backoffLimit"] == 2
+    [c] = job["template"]["spec"]["containers"]
+    run_dir = tmp_path / "data" / "r x"
+    script = c["command"][2].replace("/data/r x", str(run_dir))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text('#!/bin/sh\necho "$$ $*"\n')
+    (bin_dir / "python").chmod(0o755)
+    env = dict(os.environ, PATH=str(bin_dir) + os.pathsep + os.environ["PATH"])
+
+    def run():
+        p = subprocess.Popen([*c["command"][:2], script], env=env, cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+        out, _ = p.communicate(timeout=30)
+        pid, args = out.strip().split(" ", 1)
+        assert p.returncode == 0 and int(pid) == p.pid  # exec: python has the shell's pid
+        return args
+
+    want = f"variants/dense/train.py --steps 10 --run_dir {run_dir}"
+    assert run() == want
+    (run_dir / "checkpoints" / "step_00000004.tmp").mkdir(parents=True)
+    assert run() == want
+    (run_dir / "checkpoints" / "step_00000003").mkdir()
+    assert run() == want + " --resume true"
+    for bad in (["--grace-period", "0"], ["--max-hung-restarts", "-1"]):
+        with pytest.raises(SystemExit):
+            k8s.main(["--image", "i", *bad])
+    with pytest.raises(SystemExit, match="adds --resume true itself"):
+        k8s.main(["--image", "i", "--", "--resume", "true"])
 
 
 def test_skypilot_task(capsys):
@@ -261,3 +390,30 @@ def test_generators_reject_unknown_variant_and_preset():
         slurm.main(["--variant", "nope"])
     with pytest.raises(SystemExit, match="no preset"):
         skypilot.main(["--preset", "nope"])
+
+
+def test_sigterm_to_the_launcher_stops_every_process_at_one_step_and_resumes(small_corpus, tmp_path):
+    """SIGTERM to launch/local.py reaches both processes; they agree on a step, save it and exit
+    75, and so does the launcher; one process then resumes to the losses of an uninterrupted run."""
+    run = tmp_path / "mp"
+    proc = subprocess.Popen([sys.executable, LOCAL, "--nproc", "2", "--devices", "4", "--variant", "dense", "--",
+                             *TINY, "--steps", "500", "--save_every", "0", "--data.source", small_corpus,
+                             "--run_dir", str(run)], env=sub_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    t = time.time()
+    while not (os.path.exists(run / "metrics.jsonl") and max(losses(run), default=0) >= 3):
+        assert proc.poll() is None and time.time() - t < 300, (proc.poll(), proc.stdout.read()[-4000:])
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=180)[0]
+    assert proc.returncode == 75, out[-4000:]
+    [saved] = checkpoint.all_checkpoints(str(run / "checkpoints"))
+    step = checkpoint.read_metadata(saved)["step"]
+    assert 3 <= step < 500 and out.count(f"stopped by a signal after step {step}") == 1  # logged by process 0
+    assert "[p1] SIGTERM: finishing this step" in out and "[p0] SIGTERM: finishing this step" in out
+    end = step + 2  # the same 500-step schedule, stopped early
+    resumed = train.main(tiny_cfg(small_corpus, run, steps=500, save_every=0, stop_at=end, resume=True))
+    assert sorted(resumed["losses"]) == [step + 1, end]
+    straight = train.main(tiny_cfg(small_corpus, tmp_path / "single", steps=500, save_every=0, stop_at=end))
+    got, want = losses(run), straight["losses"]
+    np.testing.assert_allclose([got[s] for s in range(1, end + 1)], [want[s] for s in range(1, end + 1)], rtol=1e-5)
