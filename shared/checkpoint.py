@@ -70,6 +70,7 @@ def leaf_names(tree) -> list[str]:
 
 
 def _spec(root: str, name: str, ocdbt: bool) -> dict:
+    root = os.path.abspath(root)  # tensorstore's file driver refuses ".." in a path: normalise it here
     if ocdbt:
         kv = {"driver": "ocdbt", "base": {"driver": "file", "path": os.path.join(root, "arrays")}, "path": name}
     else:

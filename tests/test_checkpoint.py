@@ -188,3 +188,12 @@ def test_a_failing_disk_leaves_no_partial_save_and_the_last_checkpoint_intact(tm
     assert "the last checkpoint is " + str(tmp_path / "ck" / "step_00000001") in out.stdout, out.stdout
     assert "LEFT ['step_00000001']" in out.stdout, out.stdout
     assert "RESTORED 64.0" in out.stdout, out.stdout
+
+
+def test_a_path_with_dotdot_is_normalised(tmp_path):
+    src = tree(mesh(1))
+    (tmp_path / "a").mkdir()
+    path = checkpoint.save(str(tmp_path / "a" / ".." / "ck"), 1, src, {})
+    got, _ = checkpoint.restore(path, src)
+    np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(src["w"]))
+    assert checkpoint.latest(str(tmp_path / "ck")).endswith("step_00000001")

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -199,3 +200,32 @@ def test_resume_from_a_named_checkpoint(small_corpus, tmp_path):
     assert out["run_dir"] == str(tmp_path / "a") and sorted(out["losses"]) == [3, 4, 5, 6]
     assert out["losses"] == {k: v for k, v in straight["losses"].items() if k > 2}
     assert np.isfinite(list(out["losses"].values())).all()
+
+
+# ---------------------------------------------------------------- kill -9
+
+def test_kill_9_in_saves_and_deletions_never_loses_the_newest_complete_checkpoint(small_corpus, tmp_path):
+    """A checkpoint every step (keep 2, so every step also deletes one), killed with SIGKILL at
+    random moments three times: the newest complete checkpoint always restores, the dead run's
+    lock is taken over, and the last resume ends with the losses and weights of a run never killed."""
+    import random
+
+    rng, run, steps = random.Random(0), tmp_path / "run", 40
+    args = ["--steps", str(steps), "--warmup_steps", "1", "--save_every", "1", "--keep_checkpoints", "2"]
+    seen = 0
+    for _ in range(3):
+        resume = ["--resume", "true"] if checkpoint.all_checkpoints(str(run / "checkpoints")) else []
+        proc = start(small_corpus, run, *args, *resume)
+        wait_for_step(run, seen + 2, proc)
+        time.sleep(rng.uniform(0.0, 0.4))
+        proc.kill()
+        proc.wait()
+        seen = max(losses(run))
+        last = checkpoint.latest(str(run / "checkpoints"))  # never raises: nothing damaged is named a checkpoint
+        assert last is not None and checkpoint.verify(last, checksums=True) == []
+    at = checkpoint.read_metadata(checkpoint.latest(str(run / "checkpoints")))["step"]
+    resumed = train.main(small(small_corpus, run, steps=steps, save_every=1, keep_checkpoints=2, resume=True))
+    straight = train.main(small(small_corpus, tmp_path / "straight", steps=steps, save_every=0))
+    assert resumed["losses"] == {k: v for k, v in straight["losses"].items() if k > at}
+    for a, b in zip(jax.tree.leaves(resumed["state"]), jax.tree.leaves(straight["state"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
