@@ -19,8 +19,9 @@ import pytest
 from shared import checkpoint, data, guard
 from shared.variant import ROOT, load
 
+import test_train  # noqa: E402  (tests/ is on sys.path: conftest's folder)
+
 train = load(os.path.join(ROOT, "variants", "dense", "train.py"))
-model = train.model
 TINY = ["--model.vocab_size", "512", "--model.d_model", "64", "--model.n_layers", "2", "--model.n_heads", "4",
         "--model.n_kv_heads", "2", "--model.head_dim", "16", "--model.d_ff", "128", "--seq_len", "32",
         "--batch_size", "8", "--log_every", "1", "--eval_every", "1000", "--eval_batches", "1",
@@ -28,13 +29,8 @@ TINY = ["--model.vocab_size", "512", "--model.d_model", "64", "--model.n_layers"
 
 
 def small(small_corpus, run_dir, **over):
-    kw = dict(
-        data=data.DataConfig(source=small_corpus, val_fraction=0.1),
-        model=model.ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128),
-        seq_len=32, batch_size=8, steps=6, warmup_steps=1, eval_every=1000, eval_batches=1, log_every=1,
-        save_every=3, run_dir=str(run_dir), wandb="disabled", sample_tokens=0)
-    kw.update(over)
-    return train.TrainConfig(**kw)
+    """test_train's tiny dense config, evaluated only at the end."""
+    return test_train.small(small_corpus, run_dir, **{"eval_every": 1000, "eval_batches": 1, **over})
 
 
 def losses(run_dir) -> dict:

@@ -149,7 +149,9 @@ def test_missing_or_empty_data_path(tmp_path):
         train.main(cfg)
 
 
-def test_nan_loss_stops_and_keeps_last_good_checkpoint(small_corpus, tmp_path, monkeypatch):
+def poison(monkeypatch, at: int, metrics: tuple = ()):
+    """From now on train.make_train_step's step number `at` returns NaN parameters (and NaN for each
+    of `metrics`), as a diverging update would."""
     real = train.make_train_step
 
     def poisoned(*args):
@@ -158,14 +160,18 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(small_corpus, tmp_path, m
         def wrapped(state, batch):
             state, m = step(state, batch)
             calls[0] += 1
-            if calls[0] == 5:  # step 5 blows up: NaN loss and NaN parameters
+            if calls[0] == at:
                 state = jax.tree.map(lambda x: x * jnp.nan if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
-                m = dict(m, loss=m["loss"] * jnp.nan)
+                m = {**m, **{k: m[k] * jnp.nan for k in metrics}}
             return state, m
 
         return wrapped
 
     monkeypatch.setattr(train, "make_train_step", poisoned)
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(small_corpus, tmp_path, monkeypatch):
+    poison(monkeypatch, 5, ("loss",))  # step 5 blows up: NaN loss and NaN parameters
     with pytest.raises(train.TrainingError, match=r"loss nan, grad_norm .* at step 5.*step_00000003"):
         train.main(small(small_corpus, tmp_path, steps=8, save_every=3))
     ckpts = checkpoint.all_checkpoints(str(tmp_path / "checkpoints"))
@@ -202,28 +208,12 @@ def test_cli_trains_samples_and_reports_bad_flags(small_corpus, tmp_path):
     assert "-1 = min(20, steps // 10)" in " ".join(usage.stdout.split()), "--help does not explain warmup_steps = -1"
 
 
-@pytest.mark.parametrize("poison", ["grad_norm", "params"])
-def test_a_bad_update_with_a_finite_loss_is_never_saved(small_corpus, tmp_path, monkeypatch, poison):
+@pytest.mark.parametrize("poison_", ["grad_norm", "params"])
+def test_a_bad_update_with_a_finite_loss_is_never_saved(small_corpus, tmp_path, monkeypatch, poison_):
     """The loss of step N comes before step N's update: a step whose update is bad (a non-finite
     gradient norm; or weights gone non-finite with finite metrics) is never saved as good."""
-    real = train.make_train_step
-
-    def poisoned(*args):
-        step, calls = real(*args), [0]
-
-        def wrapped(state, batch):
-            state, m = step(state, batch)
-            calls[0] += 1
-            if calls[0] == 6:  # step 6, a save step: its loss is finite, its update is not
-                state = jax.tree.map(lambda x: x * jnp.nan if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
-                if poison == "grad_norm":
-                    m = dict(m, grad_norm=m["grad_norm"] * jnp.nan)
-            return state, m
-
-        return wrapped
-
-    monkeypatch.setattr(train, "make_train_step", poisoned)
-    error = (train.TrainingError, r"loss [0-9.]+, grad_norm nan at step 6.*step_00000003") if poison == "grad_norm" \
+    poison(monkeypatch, 6, ("grad_norm",) if poison_ == "grad_norm" else ())  # step 6, a save step
+    error = (train.TrainingError, r"loss [0-9.]+, grad_norm nan at step 6.*step_00000003") if poison_ == "grad_norm" \
         else (checkpoint.CheckpointError, r"not saving step 6: non-finite values.*step_00000003")
     with pytest.raises(error[0], match=error[1]):
         train.main(small(small_corpus, tmp_path, steps=8, save_every=3))
