@@ -30,10 +30,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ROOT, add_train_args, train_args  # noqa: E402
-
-
-EXIT_PREEMPTED = 75  # shared/guard.py: stopped on a signal after saving a checkpoint
+from common import EXIT_PREEMPTED, ROOT, add_train_args, train_args  # noqa: E402
 
 
 def free_port() -> int:
