@@ -15,9 +15,12 @@ with "process i failed: ...".
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import re
 import sys
+import typing
 
 import draccus
 
@@ -31,10 +34,52 @@ def presets(variant_dir: str) -> dict[str, str]:
     return {f[:-5]: os.path.join(d, f) for f in sorted(os.listdir(d)) if f.endswith(".yaml")}
 
 
-def _root_cause(e: BaseException) -> BaseException:
-    while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
-        e = e.__cause__ or e.__context__
-    return e
+def _str_fields(cls, prefix: str = "") -> set[str]:
+    """Dotted names of the `str` fields of a config dataclass and its nested dataclasses."""
+    out = set()
+    for name, tp in typing.get_type_hints(cls).items():
+        if dataclasses.is_dataclass(tp):
+            out |= _str_fields(tp, f"{prefix}{name}.")
+        elif tp is str:
+            out.add(prefix + name)
+    return out
+
+
+def _quote_strings(cls, argv: list[str]) -> list[str]:
+    """Quote the values of string flags for YAML, which draccus parses them with: unquoted, `5:6` is
+    the integer 306 (YAML 1.1 base 60), `1e3` a float and `no` a bool, then turned back into text."""
+    strings, out, i = _str_fields(cls), [], 0
+    quote = lambda v: "'" + v.replace("'", "''") + "'"  # noqa: E731
+    while i < len(argv):
+        a = argv[i]
+        name, eq, value = a[2:].partition("=")
+        if a.startswith("--") and name in strings:
+            if eq:
+                out.append(f"--{name}={quote(value)}")
+            elif i + 1 < len(argv):
+                out += [a, quote(argv[i + 1])]
+                i += 1
+            else:
+                out.append(a)
+        else:
+            out.append(a)
+        i += 1
+    return out
+
+
+def _flag_error(e: BaseException) -> str:
+    """One line for a bad command line: a value that does not parse names its flag and the type expected;
+    a value the config refuses gives the config's own message (which names the field)."""
+    chain = []
+    while e is not None:
+        chain.append(e)
+        e = e.__cause__ or (e.__context__ if not e.__suppress_context__ else None)
+    for x in chain:
+        m = re.match(r"`([\w.]+)`: (.*)", str(x))
+        if type(x).__name__ == "DecodingError" and m:
+            why = "" if x is chain[-1] else f" ({chain[-1]})"
+            return f"--{m.group(1)}: {m.group(2)[0].lower()}{m.group(2)[1:]}{why}"
+    return str(chain[-1])
 
 
 def parse(config_cls, variant_dir: str, argv: list[str] | None = None):
@@ -70,9 +115,9 @@ def parse(config_cls, variant_dir: str, argv: list[str] | None = None):
         print(f"presets (--preset NAME, from {os.path.relpath(variant_dir)}/presets/): "
               f"{', '.join(known) or 'none'}; no preset = the built-in CPU default\n")
     try:
-        config = draccus.parse(config_cls, config_path=known.get(preset), args=argv)
+        config = draccus.parse(config_cls, config_path=known.get(preset), args=_quote_strings(config_cls, argv))
     except draccus.utils.ParsingError as e:
-        sys.exit(f"error: invalid configuration: {_root_cause(e)}")
+        sys.exit(f"error: invalid configuration: {_flag_error(e)}")
     distributed.install_failure_hook()
     try:
         distributed.check_same_config(config)

@@ -1,7 +1,8 @@
 """Run metrics: a JSONL file always, Weights & Biases when possible, and a progress bar.
 
-The run directory gets metrics.jsonl (one JSON object per logged step; NaN/inf as
-strings) and config.json (the run's config, for tools such as tools/compare_runs.py, plus
+The run directory gets metrics.jsonl (one JSON object per logged step, keys as the loop
+names them: train/loss, eval/loss, optim/grad_norm, throughput/tokens_per_second, ...; NaN/inf
+as strings; a resumed run first drops the rows after its checkpoint's step, which it redoes) and config.json (the run's config, for tools such as tools/compare_runs.py, plus
 what `Logger.record` adds once the run knows it: e.g. "kernels", the backend each kernel op
 took, which is decided while the first step compiles).
 
@@ -53,6 +54,29 @@ def write_config(run_dir: str, config: dict) -> str:
     return path
 
 
+def drop_rows_after(path: str, step: int) -> int:
+    """Remove the rows of `path` (metrics.jsonl) logged after `step`, atomically; returns how many.
+    A line that is not JSON (cut short by a crash mid-write) goes too."""
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        lines = f.read().splitlines()
+    keep = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    if len(keep) == len(lines):
+        return 0
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+    return len(lines) - len(keep)
+
+
 class Logger:
     def __init__(self, run_dir: str, config: dict, *, total_steps: int, wandb_mode: str = "auto",
                  project: str = "stencil", name: str | None = None, start_step: int = 0,
@@ -67,7 +91,9 @@ class Logger:
         os.makedirs(run_dir, exist_ok=True)
         self.run_dir, self.config = run_dir, dict(config)
         write_config(run_dir, self.config)
-        self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        path = os.path.join(run_dir, "metrics.jsonl")
+        drop_rows_after(path, start_step)  # a resumed run redoes the steps after its checkpoint: no row twice
+        self.file = open(path, "a")
         mode = wandb_mode
         if mode == "auto":
             mode = "online" if wandb_logged_in() else "offline"

@@ -28,10 +28,24 @@ def write_run(path, rows, config=None, lines=None):
 
 
 def row(step, loss, val=None, tok_s=1000.0, mfu=0.1):
-    r = {"step": step, "loss": loss, "z": 1.0, "grad_norm": 0.5, "lr": 1e-3, "tokens_per_s": tok_s, "mfu": mfu}
+    r = {"step": step, "train/loss": loss, "train/z": 1.0, "optim/grad_norm": 0.5, "optim/learning_rate": 1e-3,
+         "throughput/tokens_per_second": tok_s, "throughput/mfu": mfu}
     if val is not None:
-        r["val_loss"] = val
+        r["eval/loss"] = val
     return r
+
+
+def test_runs_logged_under_the_old_names_load_the_same(tmp_path):
+    """metrics.jsonl rows from before the train/, eval/, throughput/ names (loss, val_loss, tokens_per_s, mfu)."""
+    rows = [row(10, 5.0, val=5.5, tok_s=100.0, mfu=0.1), row(20, 4.0, val=4.5, tok_s=200.0, mfu=0.2)]
+    new = cr.load_run(write_run(tmp_path / "new", rows), "new")
+    back = {v: k for k, v in cr.OLD_NAMES.items()}
+    old_rows = [{back.get(k, k): v for k, v in r.items()} for r in rows]
+    old = cr.load_run(write_run(tmp_path / "old", old_rows), "old")
+    assert "loss" in old_rows[0] and "val_loss" in old_rows[0]
+    assert (old.steps, old.loss, old.val_steps, old.val_loss, old.tokens_per_s, old.mfu) == \
+        (new.steps, new.loss, new.val_steps, new.val_loss, new.tokens_per_s, new.mfu) == \
+        ([10, 20], [5.0, 4.0], [10, 20], [5.5, 4.5], [100.0, 200.0], [0.1, 0.2])
 
 
 @pytest.fixture

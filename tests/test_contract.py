@@ -105,6 +105,60 @@ def test_exports(variant):
     assert dataclasses.is_dataclass(train.TrainConfig), f"{variant}: TrainConfig is not a dataclass"
 
 
+# Values every check should catch, by declared type: a field whose every candidate is accepted has no
+# check. Wrong types are tried only for bools (any other field must check its range, not only its type).
+BAD_VALUES = {int: (-1, 0, -(10**9), 10**18), float: (-1.0, float("nan"), float("inf"), 0.0, 1.5, 1e9),
+              str: ("", "no-such-choice", "\0"), bool: ("yes", 2)}
+
+
+def config_fields(cls, prefix=""):
+    """(dataclass, field name, declared type, dotted name) of every leaf field, nested configs included."""
+    import typing
+
+    for name, tp in typing.get_type_hints(cls).items():
+        if dataclasses.is_dataclass(tp):
+            yield from config_fields(tp, f"{prefix}{name}.")
+        else:
+            yield cls, name, tp, prefix + name
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_config_field_rejects_a_bad_value(variant):
+    """Each field of TrainConfig and of the configs inside it (ModelConfig, DataConfig, ...) refuses at
+    least one of BAD_VALUES with an error naming it, when its config is built (so before anything
+    compiles): a field nobody checks trains something wrong with exit 0."""
+    _, train = modules(variant)
+    unchecked, unnamed = [], []
+    for cls, name, tp, dotted in config_fields(train.TrainConfig):
+        caught = False
+        for bad in BAD_VALUES[tp]:
+            try:
+                cls(**{name: bad})
+            except Exception as e:  # noqa: BLE001 - any refusal counts, if it names the field
+                if name in str(e):
+                    caught = True
+                    break
+                unnamed.append(f"{dotted}={bad!r}: {type(e).__name__}: {e}")
+        if not caught:
+            unchecked.append(dotted)
+    assert not unchecked, f"{variant}: these fields accept every value of {BAD_VALUES}: {unchecked}"
+    assert not unnamed, f"{variant}: refused without naming the field: {unnamed}"
+
+
+def test_a_bad_flag_names_itself(tmp_path):
+    """The command line's error for a value of the wrong type names the flag and the type expected."""
+    import subprocess
+    import sys
+
+    for flags, expected in ((["--steps", "abc"], "--steps: couldn't parse 'abc' into an int"),
+                            (["--model.n_layers", "2.5"], "--model.n_layers: couldn't parse '2.5' into an int"),
+                            (["--resume", "maybe"], "--resume: couldn't parse 'maybe' into a bool"),
+                            (["--profile_steps", "5:6", "--steps", "3"], "profile_steps: must be A:B")):
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "templates/base/train.py"), *flags],
+                           capture_output=True, text=True, cwd=tmp_path, timeout=120)
+        assert r.returncode != 0 and expected in r.stderr and "Traceback" not in r.stderr, (flags, r.stderr)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_lineage(variant):
     model, _ = modules(variant)
@@ -335,7 +389,7 @@ def tiny_run(folder) -> TinyRun:
 
 def check_step(r: TinyRun):
     """Two real train steps: the first loss near ln(V), the second lower, every parameter moved."""
-    loss, loss2 = float(r.metrics["uneven_split"]["loss"]), float(r.metrics["second_step"]["loss"])
+    loss, loss2 = float(r.metrics["uneven_split"]["train/loss"]), float(r.metrics["second_step"]["train/loss"])
     assert r.out_structure == r.state_structure, f"{r.folder}: the train step changes the state's pytree"
     assert np.isfinite(loss), f"{r.folder}: first loss is {loss}"
     assert abs(loss - np.log(r.cfg.model.vocab_size)) < 1.0, f"{r.folder}: initial loss {loss} far from ln(V)"
@@ -392,13 +446,13 @@ def check_step_accumulation(r: TinyRun):
     batch's rows are split 1:3 or evenly in loss tokens (ACCUMULATION), and the loss of loss_fn on
     the whole batch at once."""
     uneven, even = r.metrics["uneven_split"], r.metrics["even_split"]
-    np.testing.assert_allclose(uneven["grad_norm"], even["grad_norm"], rtol=2e-5, err_msg=(
+    np.testing.assert_allclose(uneven["optim/grad_norm"], even["optim/grad_norm"], rtol=2e-5, err_msg=(
         f"{r.folder}: the gradient accumulated over 2 micro-batches depends on how the rows are split; every "
         "term of loss_fn must be a sum over the batch's loss tokens divided by their count (AGENTS.md, "
         "'Auxiliary losses')"))
     whole = r.out["uneven"][2]
     for name, m in (("split 1:3", uneven), ("even split", even)):
-        np.testing.assert_allclose(m["loss"], whole["loss"], rtol=2e-6, err_msg=(
+        np.testing.assert_allclose(m["train/loss"], whole["loss"], rtol=2e-6, err_msg=(
             f"{r.folder}: the loss accumulated over 2 micro-batches ({name}) differs from loss_fn's on the whole batch"))
 
 

@@ -62,5 +62,10 @@ def test_logger_writes_jsonl_and_only_on_process_zero(tmp_path):
     other.log(1, {"loss": 1.0})
     other.close()
     assert not (tmp_path / "p1").exists()
+    # a run resumed from step 1 redoes step 2: its old row goes (and a line cut short by a crash)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "lo')
+    metrics.Logger(str(tmp_path), {"a": 1}, total_steps=3, wandb_mode="disabled", progress=False, start_step=1).close()
+    assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == rows[:1]
     with pytest.raises(ValueError, match="wandb mode"):
         metrics.Logger(str(tmp_path), {}, total_steps=1, wandb_mode="sometimes")

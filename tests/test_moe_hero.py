@@ -311,13 +311,13 @@ def test_bias_update_balances_load_on_real_data(small_corpus, tmp_path):
         train.main(cfg)
         with open(tmp_path / sub / "metrics.jsonl") as f:
             rows = [json.loads(line) for line in f]
-        return [r["load_cv"] for r in rows if "load_cv" in r], rows[-1]
+        return [r["train/load_cv"] for r in rows if "train/load_cv" in r], rows[-1]
     cv, last = run(0.01, "bias")
     cv0, _ = run(0.0, "none")
     assert len(cv) == 4  # step 1 (before any update), 10, 20, 30
     assert cv[-1] < 0.5 * cv[0], f"load spread did not shrink: {cv}"
     assert cv0[-1] > 0.8 * cv0[0], f"without the bias update the spread shrank anyway: {cv0}"
-    assert last["bias_norm"] > 0 and last["dropped"] == 0
+    assert last["train/bias_norm"] > 0 and last["train/dropped"] == 0
 
 
 def test_mesh_errors_name_the_field():

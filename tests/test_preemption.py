@@ -36,7 +36,7 @@ def small(small_corpus, run_dir, **over):
 def losses(run_dir) -> dict:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
 def start(small_corpus, run_dir, *args):
@@ -225,3 +225,6 @@ def test_kill_9_in_saves_and_deletions_never_loses_the_newest_complete_checkpoin
     assert resumed["losses"] == {k: v for k, v in straight["losses"].items() if k > at}
     for a, b in zip(jax.tree.leaves(resumed["state"]), jax.tree.leaves(straight["state"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # metrics.jsonl: one row per step, the redone steps' rows in place of the killed runs' ones
+    logged = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, steps + 1)), logged

@@ -83,7 +83,7 @@ def test_restore_onto_other_device_count(small_corpus, tmp_path):
             for a, b in zip(arrays(out["state"]), arrays(state)):
                 np.testing.assert_array_equal(a, b)
             _, m = train.make_train_step(cfg, opt, schedule)(state, _batch(cfg, mesh, 1))
-            results.append(float(m["loss"]))
+            results.append(float(m["train/loss"]))
     np.testing.assert_allclose(results, results[0], rtol=2e-6)
 
 
@@ -96,8 +96,8 @@ def test_grad_accumulation_equals_large_batch(small_corpus, tmp_path):
         init = jax.jit(lambda k: train.init_state(cfg1, opt, k))
         s1, m1 = train.make_train_step(cfg1, opt, schedule)(init(jax.random.key(0)), _batch(cfg1, mesh, 1))
         s4, m4 = train.make_train_step(cfg4, opt, schedule)(init(jax.random.key(0)), _batch(cfg4, mesh, 2))
-    np.testing.assert_allclose(float(m1["loss"]), float(m4["loss"]), rtol=1e-6)
-    np.testing.assert_allclose(float(m1["grad_norm"]), float(m4["grad_norm"]), rtol=1e-5)
+    np.testing.assert_allclose(float(m1["train/loss"]), float(m4["train/loss"]), rtol=1e-6)
+    np.testing.assert_allclose(float(m1["optim/grad_norm"]), float(m4["optim/grad_norm"]), rtol=1e-5)
     for a, b in zip(arrays(s1["params"]), arrays(s4["params"])):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
@@ -171,7 +171,7 @@ def poison(monkeypatch, at: int, metrics: tuple = ()):
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(small_corpus, tmp_path, monkeypatch):
-    poison(monkeypatch, 5, ("loss",))  # step 5 blows up: NaN loss and NaN parameters
+    poison(monkeypatch, 5, ("train/loss",))  # step 5 blows up: NaN loss and NaN parameters
     with pytest.raises(train.TrainingError, match=r"loss nan, grad_norm .* at step 5.*step_00000003"):
         train.main(small(small_corpus, tmp_path, steps=8, save_every=3))
     ckpts = checkpoint.all_checkpoints(str(tmp_path / "checkpoints"))
@@ -191,11 +191,16 @@ def run_cli(*args, **kw):
 
 def test_cli_trains_samples_and_reports_bad_flags(small_corpus, tmp_path):
     r = run_cli("--data.source", small_corpus, "--model.vocab_size", "512", "--seq_len", "32", "--batch_size", "8",
-                "--steps", "4", "--log_every", "2", "--eval_every", "2",  # the default warmup fits 4 steps
+                "--steps", "4", "--log_every", "2", "--eval_every", "3",  # the default warmup fits 4 steps
                 "--run_dir", str(tmp_path / "run"), "--wandb", "disabled", "--sample_tokens", "8")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "step      4" in r.stdout + r.stderr and "--- sample after 4 steps ---" in r.stdout
-    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 2
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    # the first step, every log_every, every eval_every (each on its own cadence) and the last
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert ["eval/loss" in r for r in rows] == [False, False, True, True]
+    assert all("train/loss" in r and "optim/grad_norm" in r for r in rows)
+    assert "throughput/tokens_per_second" in rows[-1] and "throughput/mfu" in rows[-1]
     assert checkpoint.latest(str(tmp_path / "run" / "checkpoints")).endswith("step_00000004")
 
     bad = run_cli("--model.n_heads", "6", "--model.n_kv_heads", "4")
@@ -212,7 +217,7 @@ def test_cli_trains_samples_and_reports_bad_flags(small_corpus, tmp_path):
 def test_a_bad_update_with_a_finite_loss_is_never_saved(small_corpus, tmp_path, monkeypatch, poison_):
     """The loss of step N comes before step N's update: a step whose update is bad (a non-finite
     gradient norm; or weights gone non-finite with finite metrics) is never saved as good."""
-    poison(monkeypatch, 6, ("grad_norm",) if poison_ == "grad_norm" else ())  # step 6, a save step
+    poison(monkeypatch, 6, ("optim/grad_norm",) if poison_ == "grad_norm" else ())  # step 6, a save step
     error = (train.TrainingError, r"loss [0-9.]+, grad_norm nan at step 6.*step_00000003") if poison_ == "grad_norm" \
         else (checkpoint.CheckpointError, r"not saving step 6: non-finite values.*step_00000003")
     with pytest.raises(error[0], match=error[1]):

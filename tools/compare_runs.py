@@ -143,6 +143,11 @@ def _tokens_per_step(config: dict) -> int | None:
     return None
 
 
+# metrics.jsonl's names before the train loop named them train/, eval/, throughput/: runs logged then still load
+OLD_NAMES = {"loss": "train/loss", "val_loss": "eval/loss", "tokens_per_s": "throughput/tokens_per_second",
+             "mfu": "throughput/mfu"}
+
+
 def load_run(path: str, label: str) -> Run:
     """Read a run directory. Raises RunError for a missing directory or metrics.jsonl, or a bad line."""
     if not os.path.exists(path):
@@ -152,7 +157,7 @@ def load_run(path: str, label: str) -> Run:
     mpath = os.path.join(path, "metrics.jsonl")
     if not os.path.isfile(mpath):
         raise RunError(f"{mpath}: no such file (is {path} a run directory?)")
-    rows = read_metrics(mpath)
+    rows = [{OLD_NAMES.get(k, k): v for k, v in r.items()} for r in read_metrics(mpath)]
 
     meta_path = newest_checkpoint_metadata(path)
     meta = _read_json(meta_path) if meta_path else None
@@ -174,10 +179,10 @@ def load_run(path: str, label: str) -> Run:
     def finite(key):
         return [x for x in (_float(r.get(key)) for r in rows) if math.isfinite(x)]
 
-    val = [r for r in rows if "val_loss" in r]
-    return Run(label=label, path=path, steps=[r["step"] for r in rows], loss=[_float(r.get("loss")) for r in rows],
-               val_steps=[r["step"] for r in val], val_loss=[_float(r["val_loss"]) for r in val],
-               tokens_per_s=finite("tokens_per_s"), mfu=finite("mfu"),
+    val = [r for r in rows if "eval/loss" in r]
+    return Run(label=label, path=path, steps=[r["step"] for r in rows], loss=[_float(r.get("train/loss")) for r in rows],
+               val_steps=[r["step"] for r in val], val_loss=[_float(r["eval/loss"]) for r in val],
+               tokens_per_s=finite("throughput/tokens_per_second"), mfu=finite("throughput/mfu"),
                tokens_per_step=tokens_per_step, config_source=source, params=params)
 
 

@@ -34,6 +34,7 @@ n_heads heads, plus gates), so at the same shape the model is larger; `num_param
 from __future__ import annotations
 
 import math
+import typing
 import zlib
 from dataclasses import dataclass
 
@@ -55,6 +56,18 @@ class ConfigError(ValueError):
 def check(ok: bool, field: str, why: str) -> None:
     if not ok:
         raise ConfigError(f"{field}: {why}")
+
+
+def check_types(config, prefix: str = "") -> None:
+    """Every field of a config dataclass holds its declared type (a preset or a Python caller can pass
+    anything): "false" is not a bool, 2.5 not an int; an int is fine where a float is declared."""
+    for name, tp in typing.get_type_hints(type(config)).items():
+        v = getattr(config, name)
+        if tp is float:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        else:
+            ok = isinstance(v, tp) and (tp is bool or not isinstance(v, bool))
+        check(ok, prefix + name, f"must be {getattr(tp, '__name__', tp)}, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -82,6 +95,7 @@ class ModelConfig:
     attention_backend: str = "auto"  # see shared/kernels/attention.py
 
     def __post_init__(self):
+        check_types(self, "model.")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"):
             check(getattr(self, name) > 0, f"model.{name}", f"must be positive, got {getattr(self, name)}")
         check(self.n_heads % self.n_kv_heads == 0, "model.n_heads",
@@ -107,6 +121,13 @@ class ModelConfig:
             from shared.kernels.kda import pallas_refuses
             why = pallas_refuses(self.head_dim, self.chunk_size)
             check(why is None, "model.kda_impl", f"the Pallas kernel cannot run this shape: {why}")
+        check(0 < self.norm_eps < 1, "model.norm_eps", f"must be in (0, 1), got {self.norm_eps}")
+        # an unknown backend, or one that cannot compute this model's attention layers, is refused here, before
+        # tracing (whether it is available on this machine is checked when the layer is traced)
+        call = kernels.AttentionCall((1, 2, self.n_heads, self.head_dim), (1, 2, self.n_kv_heads, self.head_dim),
+                                     jnp.dtype(self.compute_dtype), True, None, False)
+        why = kernels.refusal("attention", self.attention_backend, call)
+        check(why is None, "model.attention_backend", f"{self.attention_backend!r}: {why}")
 
 
 def attention_layers(cfg: ModelConfig) -> list[bool]:
@@ -291,11 +312,12 @@ def l2_norm(x, eps=1e-6):
 def mlp(x, layer, cfg: ModelConfig):
     dt = x.dtype
     col, row = P(None, "model"), P("model", None)
-    h = rms_norm(x, layer["mlp_norm"], cfg.norm_eps)
-    gate = jnp.einsum("btd,df->btf", h, gather(layer["w_gate"], col, dt))
-    up = jnp.einsum("btd,df->btf", h, gather(layer["w_up"], col, dt))
-    return x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, gather(layer["w_down"], row, dt),
-                          out_sharding=P("data", None, None))
+    with jax.named_scope("mlp"):
+        h = rms_norm(x, layer["mlp_norm"], cfg.norm_eps)
+        gate = jnp.einsum("btd,df->btf", h, gather(layer["w_gate"], col, dt))
+        up = jnp.einsum("btd,df->btf", h, gather(layer["w_up"], col, dt))
+        return x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, gather(layer["w_down"], row, dt),
+                              out_sharding=P("data", None, None))
 
 
 def kda_block(x, layer, docs, segment_ids, cfg: ModelConfig):
@@ -306,28 +328,29 @@ def kda_block(x, layer, docs, segment_ids, cfg: ModelConfig):
     col, row, heads = P(None, "model"), P("model", None), P("data", None, "model", None)
     f32 = jnp.float32
 
-    h = rms_norm(x, layer["attn_norm"], cfg.norm_eps)
+    with jax.named_scope("kda"):
+        h = rms_norm(x, layer["attn_norm"], cfg.norm_eps)
 
-    def proj_conv(name):  # projection, short convolution, SiLU, split into heads
-        y = jnp.einsum("btd,dq->btq", h, gather(layer["w" + name], col, dt))
-        y = jax.nn.silu(short_conv(y, gather(layer["conv_" + name], col, dt), docs))
-        return y.reshape(B, T, H, K, out_sharding=heads)
+        def proj_conv(name):  # projection, short convolution, SiLU, split into heads
+            y = jnp.einsum("btd,dq->btq", h, gather(layer["w" + name], col, dt))
+            y = jax.nn.silu(short_conv(y, gather(layer["conv_" + name], col, dt), docs))
+            return y.reshape(B, T, H, K, out_sharding=heads)
 
-    q, k, v = l2_norm(proj_conv("q")), l2_norm(proj_conv("k")), proj_conv("v")
+        q, k, v = l2_norm(proj_conv("q")), l2_norm(proj_conv("k")), proj_conv("v")
 
-    def low_rank(down, up):  # x W_down W_up: [B, T, H, K] in fp32
-        r = jnp.einsum("btd,dr->btr", h, gather(layer[down], P(None, None), dt))
-        y = jnp.einsum("btr,rq->btq", r, gather(layer[up], col, dt))
-        return y.reshape(B, T, H, K, out_sharding=heads).astype(f32)
+        def low_rank(down, up):  # x W_down W_up: [B, T, H, K] in fp32
+            r = jnp.einsum("btd,dr->btr", h, gather(layer[down], P(None, None), dt))
+            y = jnp.einsum("btr,rq->btq", r, gather(layer[up], col, dt))
+            return y.reshape(B, T, H, K, out_sharding=heads).astype(f32)
 
-    dt_bias = gather(layer["dt_bias"], P("model"), f32).reshape(H, K, out_sharding=P("model", None))
-    A = jnp.exp(gather(layer["A_log"], P("model"), f32))[:, None]  # [H, 1]
-    g = -A * jax.nn.softplus(low_rank("forget_down", "forget_up") + dt_bias)  # log decay per key channel, <= 0
-    beta = jax.nn.sigmoid(jnp.einsum("btd,dh->bth", h, gather(layer["w_beta"], col, dt)).astype(f32))
-    o, _ = kda(q, k, v, g, beta, segment_ids=segment_ids, chunk_size=cfg.chunk_size, impl=cfg.kda_impl)
-    o = rms_norm(o, layer["o_norm"], cfg.norm_eps) * jax.nn.sigmoid(low_rank("ogate_down", "ogate_up")).astype(dt)
-    o = o.reshape(B, T, H * K, out_sharding=P("data", None, "model"))
-    x = x + jnp.einsum("btq,qd->btd", o, gather(layer["wo"], row, dt), out_sharding=P("data", None, None))
+        dt_bias = gather(layer["dt_bias"], P("model"), f32).reshape(H, K, out_sharding=P("model", None))
+        A = jnp.exp(gather(layer["A_log"], P("model"), f32))[:, None]  # [H, 1]
+        g = -A * jax.nn.softplus(low_rank("forget_down", "forget_up") + dt_bias)  # log decay per key channel, <= 0
+        beta = jax.nn.sigmoid(jnp.einsum("btd,dh->bth", h, gather(layer["w_beta"], col, dt)).astype(f32))
+        o, _ = kda(q, k, v, g, beta, segment_ids=segment_ids, chunk_size=cfg.chunk_size, impl=cfg.kda_impl)
+        o = rms_norm(o, layer["o_norm"], cfg.norm_eps) * jax.nn.sigmoid(low_rank("ogate_down", "ogate_up")).astype(dt)
+        o = o.reshape(B, T, H * K, out_sharding=P("data", None, "model"))
+        x = x + jnp.einsum("btq,qd->btd", o, gather(layer["wo"], row, dt), out_sharding=P("data", None, None))
     return mlp(x, layer, cfg)
 
 
@@ -337,14 +360,15 @@ def block(x, layer, angles, segment_ids, cfg: ModelConfig):
     B, T, _ = x.shape
     col, row, heads = P(None, "model"), P("model", None), P("data", None, "model", None)
 
-    h = rms_norm(x, layer["attn_norm"], cfg.norm_eps)
-    q = jnp.einsum("btd,dq->btq", h, gather(layer["wq"], col, dt)).reshape(B, T, cfg.n_heads, cfg.head_dim, out_sharding=heads)
-    k = jnp.einsum("btd,dk->btk", h, gather(layer["wk"], col, dt)).reshape(B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads)
-    v = jnp.einsum("btd,dk->btk", h, gather(layer["wv"], col, dt)).reshape(B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads)
-    q, k = rope(q, angles), rope(k, angles)
-    o = kernels.attention(q, k, v, segment_ids=segment_ids, causal=True, backend=cfg.attention_backend)
-    o = o.reshape(B, T, cfg.n_heads * cfg.head_dim, out_sharding=P("data", None, "model"))
-    x = x + jnp.einsum("btq,qd->btd", o, gather(layer["wo"], row, dt), out_sharding=P("data", None, None))
+    with jax.named_scope("attention"):
+        h = rms_norm(x, layer["attn_norm"], cfg.norm_eps)
+        q = jnp.einsum("btd,dq->btq", h, gather(layer["wq"], col, dt)).reshape(B, T, cfg.n_heads, cfg.head_dim, out_sharding=heads)
+        k = jnp.einsum("btd,dk->btk", h, gather(layer["wk"], col, dt)).reshape(B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads)
+        v = jnp.einsum("btd,dk->btk", h, gather(layer["wv"], col, dt)).reshape(B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads)
+        q, k = rope(q, angles), rope(k, angles)
+        o = kernels.attention(q, k, v, segment_ids=segment_ids, causal=True, backend=cfg.attention_backend)
+        o = o.reshape(B, T, cfg.n_heads * cfg.head_dim, out_sharding=P("data", None, "model"))
+        x = x + jnp.einsum("btq,qd->btd", o, gather(layer["wo"], row, dt), out_sharding=P("data", None, None))
     return mlp(x, layer, cfg)
 
 
@@ -363,10 +387,12 @@ def hidden_states(params, tokens, cfg: ModelConfig, *, segment_ids=None):
     docs = documents(segment_ids, *tokens.shape)
 
     def kda_step(x, layer):
-        return kda_block(x, layer, docs, segment_ids, cfg), None
+        with jax.named_scope("kda_layer"):
+            return kda_block(x, layer, docs, segment_ids, cfg), None
 
     def attn_step(x, layer):
-        return block(x, layer, angles, segment_ids, cfg), None
+        with jax.named_scope("attention_layer"):  # profiles read attention_layer/attention, kda_layer/kda, ... (tools/profile_top.py)
+            return block(x, layer, angles, segment_ids, cfg), None
 
     if cfg.remat != "none":
         kda_step = jax.checkpoint(kda_step, policy=REMAT[cfg.remat])
@@ -411,7 +437,8 @@ def forward(params, tokens, cfg: ModelConfig, *, segment_ids=None):
 def loss_fn(params, batch, cfg: ModelConfig):
     """Mean next-token cross-entropy over unmasked tokens (+ z-loss). Returns (loss, metrics)."""
     h = hidden_states(params, batch["tokens"], cfg, segment_ids=batch["segment_ids"])
-    nll, zsq = kernels.cross_entropy(h, unembedding(params, cfg), batch["targets"], batch["loss_mask"])
+    with jax.named_scope("loss"):
+        nll, zsq = kernels.cross_entropy(h, unembedding(params, cfg), batch["targets"], batch["loss_mask"])
     n = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
     ce, z = nll / n, zsq / n
     loss = ce + cfg.z_loss * z if cfg.z_loss else ce

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import math
+import typing
 import zlib
 from dataclasses import dataclass
 
@@ -63,6 +64,18 @@ class ConfigError(ValueError):
 def check(ok: bool, field: str, why: str) -> None:
     if not ok:
         raise ConfigError(f"{field}: {why}")
+
+
+def check_types(config, prefix: str = "") -> None:
+    """Every field of a config dataclass holds its declared type (a preset or a Python caller can pass
+    anything): "false" is not a bool, 2.5 not an int; an int is fine where a float is declared."""
+    for name, tp in typing.get_type_hints(type(config)).items():
+        v = getattr(config, name)
+        if tp is float:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        else:
+            ok = isinstance(v, tp) and (tp is bool or not isinstance(v, bool))
+        check(ok, prefix + name, f"must be {getattr(tp, '__name__', tp)}, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -105,6 +118,7 @@ class ModelConfig:
     local_attention_backend: str = ""  # sliding-window layers; "" = attention_backend (see shared/kernels/attention.py)
 
     def __post_init__(self):
+        check_types(self, "model.")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
                      "n_experts", "top_k", "d_expert"):
             check(getattr(self, name) > 0, f"model.{name}", f"must be positive, got {getattr(self, name)}")
@@ -136,6 +150,7 @@ class ModelConfig:
         for name in ("local_rope_theta", "global_rope_theta"):
             check(getattr(self, name) > 0, f"model.{name}", f"must be positive, got {getattr(self, name)}")
         check(self.attn_softcap >= 0, "model.attn_softcap", f"must be >= 0 (0 = off), got {self.attn_softcap}")
+        check(0 < self.norm_eps < 1, "model.norm_eps", f"must be in (0, 1), got {self.norm_eps}")
         # A named backend that cannot compute a layer's attention is refused here, before tracing
         # (whether it is available on this machine is checked when the layer is traced).
         why = kernels.refusal("attention", self.attention_backend, attention_call(self, None))
@@ -409,6 +424,7 @@ def attend(q, k, v, angles, segment_ids, is_global, cfg: ModelConfig):
     return jax.lax.cond(is_global, global_, local, q, k, v)
 
 
+@jax.named_scope("attention")  # profiles read moe_layer/attention, moe_layer/moe/experts, ... (tools/profile_top.py)
 def attention(x, layer, angles, segment_ids, is_global, cfg: ModelConfig):
     """x + the attention sub-block's output."""
     dt = x.dtype
@@ -427,6 +443,7 @@ def attention(x, layer, angles, segment_ids, is_global, cfg: ModelConfig):
     return x + jnp.einsum("btq,qd->btd", o, gather(layer["wo"], row, dt), out_sharding=P(BATCH, None, None))
 
 
+@jax.named_scope("mlp")
 def swiglu(h, w_gate, w_up, w_down):
     """A dense SwiGLU on [B, T, D] with FSDP-gathered, TP-sharded weights."""
     dt = h.dtype
@@ -438,6 +455,7 @@ def swiglu(h, w_gate, w_up, w_down):
 
 # ---------------------------------------------------------------- routing and dispatch (per device)
 
+@jax.named_scope("route")
 def route(x, w_router, bias, cfg: ModelConfig):
     """x [N, D] -> (expert ids [N, k], combine weights [N, k], logits [N, E], scores [N, E]), fp32.
 
@@ -519,6 +537,7 @@ def _receiver_experts(recv, rc, src_off, wg, wu, wd, *, matmul):
     return y[inv]
 
 
+@jax.named_scope("experts")
 def _dropless(xs, e_sorted, counts, wg, wu, wd, *, ep, a2a, matmul):
     """Expert outputs [A, D] for the assignments xs [A, D], sorted by expert; nothing dropped."""
     A, D = xs.shape
@@ -550,6 +569,7 @@ def _dropless(xs, e_sorted, counts, wg, wu, wd, *, ep, a2a, matmul):
     return checkpoint_name(_a2a(y, ep), "moe_out")[slot]
 
 
+@jax.named_scope("experts")
 def _capacity(xs, e_sorted, counts, wg, wu, wd, *, ep, slots):
     """Capacity mode: each expert takes its first `slots` assignments of this device (token
     order); the rest are dropped. Returns (outputs [A, D], zero where dropped; kept [A])."""
@@ -580,18 +600,20 @@ def _moe_local(x, weight, w_router, bias, wg, wu, wd, *, cfg: ModelConfig, ep: i
     xt = x.reshape(N, D)
     idx, w, logits, scores = route(xt, w_router, bias, cfg)
     flat = idx.reshape(A)
-    counts = jnp.zeros((E,), jnp.int32).at[flat].add(1)
-    order = jnp.argsort(flat, stable=True)  # assignments sorted by expert, token order within one
-    e_sorted, tok = flat[order], order // k
-    xs = xt[tok]
+    with jax.named_scope("dispatch"):
+        counts = jnp.zeros((E,), jnp.int32).at[flat].add(1)
+        order = jnp.argsort(flat, stable=True)  # assignments sorted by expert, token order within one
+        e_sorted, tok = flat[order], order // k
+        xs = xt[tok]
     if cfg.dispatch == "dropless":
         y = _dropless(xs, e_sorted, counts, wg, wu, wd, ep=ep, a2a=a2a, matmul=matmul)
         dropped = jnp.zeros((), jnp.int32)
     else:
         y, kept = _capacity(xs, e_sorted, counts, wg, wu, wd, ep=ep, slots=capacity(cfg, N))
         dropped = A - jnp.sum(kept.astype(jnp.int32))
-    out = jnp.zeros((N, D), jnp.float32).at[tok].add(y.astype(jnp.float32) * w.reshape(A)[order][:, None])
-    out = jax.lax.psum(out, "model").astype(x.dtype)  # the experts' width is sharded over `model`
+    with jax.named_scope("combine"):
+        out = jnp.zeros((N, D), jnp.float32).at[tok].add(y.astype(jnp.float32) * w.reshape(A)[order][:, None])
+        out = jax.lax.psum(out, "model").astype(x.dtype)  # the experts' width is sharded over `model`
 
     # sequence-level balance loss (DeepSeek-V3): sum_i f_i P_i per row over the row's loss tokens
     # (T_r of them), f from the choice, P from the scores; summed as T_r * that, so that loss_fn's
@@ -654,16 +676,19 @@ def hidden_states(params, tokens, cfg: ModelConfig, *, segment_ids=None, loss_ma
     x = reshard(params["embed"], P(None, None)).at[tokens].get(out_sharding=P(BATCH, None, None)).astype(dt)
     angles = layer_angles(positions(tokens, segment_ids), cfg)
 
+    @jax.named_scope("dense_layer")
     def dense_step(x, layer_and_kind):
         layer, is_global = layer_and_kind
         x = attention(x, layer, angles, segment_ids, is_global, cfg)
         h = rms_norm(x, layer["mlp_norm"], cfg.norm_eps)
         return x + swiglu(h, layer["w_gate"], layer["w_up"], layer["w_down"]), None
 
+    @jax.named_scope("moe_layer")
     def moe_step(x, layer_and_kind):
         layer, is_global = layer_and_kind
         x = attention(x, layer, angles, segment_ids, is_global, cfg)
-        y, stats = moe_ffn(rms_norm(x, layer["mlp_norm"], cfg.norm_eps), layer, cfg, loss_mask)
+        with jax.named_scope("moe"):
+            y, stats = moe_ffn(rms_norm(x, layer["mlp_norm"], cfg.norm_eps), layer, cfg, loss_mask)
         return x + y, stats
 
     if cfg.remat != "none":
@@ -698,7 +723,8 @@ def loss_fn(params, batch, cfg: ModelConfig):
     """
     targets, mask = (reshard(batch[k], P(BATCH, None)) for k in ("targets", "loss_mask"))  # rows as h's
     h, st = hidden_states(params, batch["tokens"], cfg, segment_ids=batch["segment_ids"], loss_mask=mask)
-    nll, zsq = kernels.cross_entropy(h, unembedding(params, cfg), targets, mask)
+    with jax.named_scope("loss"):
+        nll, zsq = kernels.cross_entropy(h, unembedding(params, cfg), targets, mask)
     n = jnp.maximum(jnp.sum(mask), 1.0)
     ce, z = nll / n, zsq / n
     B, T = batch["tokens"].shape

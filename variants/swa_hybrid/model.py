@@ -29,6 +29,7 @@ embeddings, z-loss, bfloat16 compute, remat policy); this variant adds:
 from __future__ import annotations
 
 import math
+import typing
 import zlib
 from dataclasses import dataclass
 
@@ -49,6 +50,18 @@ class ConfigError(ValueError):
 def check(ok: bool, field: str, why: str) -> None:
     if not ok:
         raise ConfigError(f"{field}: {why}")
+
+
+def check_types(config, prefix: str = "") -> None:
+    """Every field of a config dataclass holds its declared type (a preset or a Python caller can pass
+    anything): "false" is not a bool, 2.5 not an int; an int is fine where a float is declared."""
+    for name, tp in typing.get_type_hints(type(config)).items():
+        v = getattr(config, name)
+        if tp is float:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        else:
+            ok = isinstance(v, tp) and (tp is bool or not isinstance(v, bool))
+        check(ok, prefix + name, f"must be {getattr(tp, '__name__', tp)}, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -79,6 +92,7 @@ class ModelConfig:
     local_attention_backend: str = ""  # sliding-window layers; "" = attention_backend (see shared/kernels/attention.py)
 
     def __post_init__(self):
+        check_types(self, "model.")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"):
             check(getattr(self, name) > 0, f"model.{name}", f"must be positive, got {getattr(self, name)}")
         check(self.n_heads % self.n_kv_heads == 0, "model.n_heads",
@@ -97,6 +111,7 @@ class ModelConfig:
         for name in ("local_rope_theta", "global_rope_theta"):
             check(getattr(self, name) > 0, f"model.{name}", f"must be positive, got {getattr(self, name)}")
         check(self.attn_softcap >= 0, "model.attn_softcap", f"must be >= 0 (0 = off), got {self.attn_softcap}")
+        check(0 < self.norm_eps < 1, "model.norm_eps", f"must be in (0, 1), got {self.norm_eps}")
         # A named backend that cannot compute a layer's attention is refused here, before tracing
         # (whether it is available on this machine is checked when the layer is traced).
         why = kernels.refusal("attention", self.attention_backend, attention_call(self, None))
@@ -278,23 +293,25 @@ def block(x, layer, angles, segment_ids, is_global, cfg: ModelConfig):
     B, T, _ = x.shape
     col, row, heads = P(None, "model"), P("model", None), P("data", None, "model", None)
 
-    h = rms_norm(x, layer["attn_norm"], cfg.norm_eps)
-    q = jnp.einsum("btd,dq->btq", h, gather(layer["wq"], col, dt)).reshape(B, T, cfg.n_heads, cfg.head_dim, out_sharding=heads)
-    k = jnp.einsum("btd,dk->btk", h, gather(layer["wk"], col, dt)).reshape(B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads)
-    v = jnp.einsum("btd,dk->btk", h, gather(layer["wv"], col, dt)).reshape(B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads)
-    if cfg.qk_norm:  # per-head RMSNorm over head_dim, one learned scale vector per layer
-        q, k = rms_norm(q, layer["q_norm"], cfg.norm_eps), rms_norm(k, layer["k_norm"], cfg.norm_eps)
-    o = attend(q, k, v, angles, segment_ids, is_global, cfg)
-    if cfg.head_gate:
-        o = o * (2 * jax.nn.sigmoid(layer["head_gate"].astype(jnp.float32))).astype(dt)[:, None]
-    o = o.reshape(B, T, cfg.n_heads * cfg.head_dim, out_sharding=P("data", None, "model"))
-    x = x + jnp.einsum("btq,qd->btd", o, gather(layer["wo"], row, dt), out_sharding=P("data", None, None))
+    with jax.named_scope("attention"):
+        h = rms_norm(x, layer["attn_norm"], cfg.norm_eps)
+        q = jnp.einsum("btd,dq->btq", h, gather(layer["wq"], col, dt)).reshape(B, T, cfg.n_heads, cfg.head_dim, out_sharding=heads)
+        k = jnp.einsum("btd,dk->btk", h, gather(layer["wk"], col, dt)).reshape(B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads)
+        v = jnp.einsum("btd,dk->btk", h, gather(layer["wv"], col, dt)).reshape(B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads)
+        if cfg.qk_norm:  # per-head RMSNorm over head_dim, one learned scale vector per layer
+            q, k = rms_norm(q, layer["q_norm"], cfg.norm_eps), rms_norm(k, layer["k_norm"], cfg.norm_eps)
+        o = attend(q, k, v, angles, segment_ids, is_global, cfg)
+        if cfg.head_gate:
+            o = o * (2 * jax.nn.sigmoid(layer["head_gate"].astype(jnp.float32))).astype(dt)[:, None]
+        o = o.reshape(B, T, cfg.n_heads * cfg.head_dim, out_sharding=P("data", None, "model"))
+        x = x + jnp.einsum("btq,qd->btd", o, gather(layer["wo"], row, dt), out_sharding=P("data", None, None))
 
-    h = rms_norm(x, layer["mlp_norm"], cfg.norm_eps)
-    gate = jnp.einsum("btd,df->btf", h, gather(layer["w_gate"], col, dt))
-    up = jnp.einsum("btd,df->btf", h, gather(layer["w_up"], col, dt))
-    x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, gather(layer["w_down"], row, dt),
-                       out_sharding=P("data", None, None))
+    with jax.named_scope("mlp"):
+        h = rms_norm(x, layer["mlp_norm"], cfg.norm_eps)
+        gate = jnp.einsum("btd,df->btf", h, gather(layer["w_gate"], col, dt))
+        up = jnp.einsum("btd,df->btf", h, gather(layer["w_up"], col, dt))
+        x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, gather(layer["w_down"], row, dt),
+                           out_sharding=P("data", None, None))
     return x
 
 
@@ -313,7 +330,8 @@ def hidden_states(params, tokens, cfg: ModelConfig, *, segment_ids=None):
 
     def step(x, layer_and_kind):
         layer, is_global = layer_and_kind
-        return block(x, layer, angles, segment_ids, is_global, cfg), None
+        with jax.named_scope("layer"):  # profiles read layer/attention, layer/mlp (tools/profile_top.py)
+            return block(x, layer, angles, segment_ids, is_global, cfg), None
 
     if cfg.remat != "none":
         step = jax.checkpoint(step, policy=REMAT[cfg.remat])
@@ -336,7 +354,8 @@ def forward(params, tokens, cfg: ModelConfig, *, segment_ids=None):
 def loss_fn(params, batch, cfg: ModelConfig):
     """Mean next-token cross-entropy over unmasked tokens (+ z-loss). Returns (loss, metrics)."""
     h = hidden_states(params, batch["tokens"], cfg, segment_ids=batch["segment_ids"])
-    nll, zsq = kernels.cross_entropy(h, unembedding(params, cfg), batch["targets"], batch["loss_mask"])
+    with jax.named_scope("loss"):
+        nll, zsq = kernels.cross_entropy(h, unembedding(params, cfg), batch["targets"], batch["loss_mask"])
     n = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
     ce, z = nll / n, zsq / n
     loss = ce + cfg.z_loss * z if cfg.z_loss else ce

@@ -15,6 +15,7 @@ holds metrics.jsonl, the tokenizer, wandb files and checkpoints/.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -56,9 +57,9 @@ class TrainConfig:
     grad_clip: float = 1.0  # global-norm clipping; 0 = off
     mesh_data: int = -1  # size of the `data` (FSDP) mesh axis; -1 = all devices / mesh_model
     mesh_model: int = 1  # size of the `model` (tensor-parallel) mesh axis
-    eval_every: int = 50
-    eval_batches: int = 4
-    log_every: int = 10
+    eval_every: int = 50  # evaluate every this many steps, and at the end; 0 = only at the end
+    eval_batches: int = 4  # micro-batches of held-out rows per evaluation
+    log_every: int = 10  # a metrics row and a log line every this many steps (and the first and last step)
     save_every: int = 100  # also saved at the end; 0 = only at the end
     keep_checkpoints: int = 3
     run_dir: str = ""  # "" = runs/<variant>-<time>; with --resume, the newest runs/<variant>-*
@@ -66,11 +67,14 @@ class TrainConfig:
     resume_from: str = ""  # continue from this checkpoint: a step of run_dir's, or a checkpoint's path
     watchdog_s: int = 1800  # abort (exit 70, every thread's stack written) if no step completes this long; 0 = off
     wandb: str = "auto"  # auto | online | offline | disabled
-    sample_tokens: int = 64  # tokens sampled at the end (0 = no sample)
+    sample_every: int = 0  # sample `sample_tokens` tokens every this many steps; 0 = only at the end
+    sample_tokens: int = 64  # tokens sampled (0 = never sample)
     sample_prompt: str = "def "
+    profile_steps: str = ""  # "A:B": a jax.profiler trace of steps A..B into <run_dir>/profile ("" = none)
     seed: int = 0
 
     def __post_init__(self):
+        model.check_types(self)
         check(self.seq_len > 1, "seq_len", f"must be > 1, got {self.seq_len}")
         check(self.batch_size > 0, "batch_size", f"must be positive, got {self.batch_size}")
         check(self.grad_accum > 0 and self.batch_size % self.grad_accum == 0, "grad_accum",
@@ -79,11 +83,40 @@ class TrainConfig:
         check(self.warmup_steps == -1 or 0 <= self.warmup_steps < self.steps, "warmup_steps",
               f"{self.warmup_steps} must be -1 (= min(20, steps // 10)) or in [0, steps={self.steps})")
         check(0 <= self.stop_at <= self.steps, "stop_at", f"{self.stop_at} must be in [0, steps={self.steps}]")
-        check(self.lr > 0, "lr", f"must be positive, got {self.lr}")
+        check(self.lr > 0 and math.isfinite(self.lr), "lr", f"must be positive and finite, got {self.lr}")
+        check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        check(0 <= self.weight_decay < 1, "weight_decay", f"must be in [0, 1), got {self.weight_decay}")
+        for name in ("beta1", "beta2"):
+            check(0 <= getattr(self, name) < 1, name, f"must be in [0, 1), got {getattr(self, name)}")
+        check(self.grad_clip >= 0, "grad_clip", f"must be >= 0 (0 = off), got {self.grad_clip}")
         check(self.mesh_model > 0, "mesh_model", f"must be positive, got {self.mesh_model}")
         check(self.mesh_data == -1 or self.mesh_data > 0, "mesh_data", f"must be -1 or positive, got {self.mesh_data}")
-        check(self.eval_every > 0 and self.log_every > 0, "eval_every", "eval_every and log_every must be positive")
-        check(self.watchdog_s >= 0, "watchdog_s", f"must be >= 0 (0 = off), got {self.watchdog_s}")
+        for name in ("eval_every", "save_every", "sample_every", "sample_tokens", "watchdog_s", "seed"):
+            check(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
+        check(self.eval_batches > 0, "eval_batches", f"must be positive, got {self.eval_batches}")
+        check(self.log_every > 0, "log_every", f"must be positive, got {self.log_every}")
+        check(self.keep_checkpoints > 0, "keep_checkpoints", f"must be positive, got {self.keep_checkpoints}")
+        check("\0" not in self.run_dir, "run_dir", "contains a NUL byte")
+        check(not os.path.isfile(self.run_dir), "run_dir", f"{self.run_dir!r} is a file, not a directory")
+        check(not self.resume_from.lstrip("-").isdigit() or int(self.resume_from) > 0, "resume_from",
+              f"a step must be positive, got {self.resume_from}")
+        check("\0" not in self.resume_from, "resume_from", "contains a NUL byte")
+        check(self.wandb in WANDB_MODES, "wandb", f"must be one of {', '.join(WANDB_MODES)}, got {self.wandb!r}")
+        check(self.sample_prompt != "" or self.sample_tokens == 0, "sample_prompt",
+              "is empty: sampling continues a prompt (or set sample_tokens 0)")
+        check(self.profile_steps == "" or profile_range(self) is not None, "profile_steps",
+              f"must be A:B with 0 < A <= B <= steps={self.steps}, got {self.profile_steps!r}")
+
+
+WANDB_MODES = ("auto", "online", "offline", "disabled")
+
+
+def profile_range(cfg: TrainConfig) -> tuple[int, int] | None:
+    """`profile_steps` "A:B" as (A, B), None when it is empty or malformed."""
+    a, sep, b = cfg.profile_steps.partition(":")
+    if not (sep and a.isdigit() and b.isdigit() and 0 < int(a) <= int(b) <= cfg.steps):
+        return None
+    return int(a), int(b)
 
 
 # What the contract test (tests/test_contract.py) runs on 8 CPU devices: the CPU default at 32
@@ -134,7 +167,8 @@ def init_state(cfg: TrainConfig, optimizer, key):
 
 
 def make_train_step(cfg: TrainConfig, optimizer, schedule):
-    """state, batch -> state, metrics. batch leaves are [grad_accum, micro_batch, T]."""
+    """state, batch -> state, metrics. batch leaves are [grad_accum, micro_batch, T]. metrics: scalars
+    named as they are logged (`train/...` from loss_fn's metrics, `optim/...`)."""
 
     def train_step(state, batch):
         params = state["params"]
@@ -148,8 +182,10 @@ def make_train_step(cfg: TrainConfig, optimizer, schedule):
         grads, ms = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, params), batch)
         updates, opt = optimizer.update(grads, state["opt"], params)
         new = {"params": optax.apply_updates(params, updates), "opt": opt, "step": state["step"] + 1}
-        out = {"loss": jnp.sum(ms["loss"] * ms["tokens"]) / total, "z": jnp.sum(ms["z"] * ms["tokens"]) / total,
-               "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
+        # every per-token metric of loss_fn (loss, z, and whatever a variant adds), token-weighted over
+        # the micro-batches; the loop logs every key of `out` as it is
+        out = {f"train/{k}": jnp.sum(v * ms["tokens"]) / total for k, v in ms.items() if k != "tokens"}
+        out |= {"optim/grad_norm": optax.tree.norm(grads), "optim/learning_rate": schedule(state["step"])}
         return new, out
 
     return jax.jit(train_step, donate_argnums=0)
@@ -179,6 +215,12 @@ def to_device(batch: dict, mesh, leading: tuple = ()):
         shape = (*leading, v.shape[len(leading)] * jax.process_count(), v.shape[-1])
         out[k] = jax.make_array_from_process_local_data(NamedSharding(mesh, spec), v, shape)
     return out
+
+
+# The metrics shown in each log line and on the progress bar, with their format; every metric is in
+# metrics.jsonl and wandb whether shown or not.
+SHOWN = {"train/loss": ("loss", ".4f"), "eval/loss": ("val", ".4f"),
+         "throughput/tokens_per_second": ("tok/s", ",.0f"), "throughput/mfu": ("MFU", ".1%")}
 
 
 def evaluate(eval_step, params, batches, mesh) -> float:
@@ -307,82 +349,86 @@ def main(cfg: TrainConfig) -> dict:
             meta = {"config": dataclasses.asdict(cfg), "loader": loader.state(), "variant": VARIANT, "stream": stream}
             return checkpoint.save(ckpt_dir, step, state, meta, keep=cfg.keep_checkpoints)
 
-        losses, val_loss, pending = {}, None, None
-        t_mark, step_mark = None, None
+        def due(every, step):  # a cadence: every `every` steps and at the end; 0 = only at the end
+            return step == end or (every > 0 and step % every == 0)
 
-        def settle(step, m):
-            """Fetch step's metrics (one step late, so the host never stalls the device)."""
-            m = jax.device_get(m)
-            loss, grad_norm = float(m["loss"]), float(m["grad_norm"])
-            if not (np.isfinite(loss) and np.isfinite(grad_norm)):  # a non-finite gradient: step's update is bad too
-                raise TrainingError(f"loss {loss}, grad_norm {grad_norm} at step {step}; stopped without saving. "
-                                    f"Last good checkpoint: {checkpoint.latest_name(ckpt_dir)} (untouched)")
-            losses[step] = loss
+        losses, val_loss, text = {}, None, ""
+        pending = None  # (step, metrics on device): fetched one step late, so the host never stalls the device
+
+        def fetch() -> dict:
+            """The pending step's metrics, on the host and checked."""
+            nonlocal pending
+            step, m = pending
+            pending, m = None, {k: float(v) for k, v in jax.device_get(m).items()}
+            if not (math.isfinite(m["train/loss"]) and math.isfinite(m["optim/grad_norm"])):  # a bad update too
+                raise TrainingError(f"loss {m['train/loss']}, grad_norm {m['optim/grad_norm']} at step {step}; stopped "
+                                    f"without saving. Last good checkpoint: {checkpoint.latest_name(ckpt_dir)} (untouched)")
+            losses[step] = m["train/loss"]
             watchdog.beat()  # a step completed (the first beat arms it: compilation is not counted)
             return m
 
+        clock = {"t": 0.0, "step": start + 1, "aside": 0.0}  # for throughput: since the last log line, less the
+        profile = profile_range(cfg)                          # time eval, saves and samples took
         stop = guard.StopSignals()  # SIGTERM / SIGINT / SIGUSR1: finish the step, save, exit 75
         watchdog = guard.Watchdog(cfg.watchdog_s, run_dir)
         try:
             for step in range(start + 1, end + 1):
-                b = loader.next()
-                state, m = train_step(state, to_device(b, mesh, (cfg.grad_accum,)))
+                if profile and step == profile[0]:
+                    jax.profiler.start_trace(os.path.join(run_dir, "profile"))
+                batch = to_device(loader.next(), mesh, (cfg.grad_accum,))
+                state, m = train_step(state, batch)
                 if pending is not None:
-                    settle(*pending)
+                    fetch()  # the step before, while this one runs
                 pending = (step, m)
-                if step == start + 1:  # exclude compilation from throughput
-                    settle(*pending)
-                    pending = None
-                    t_mark, step_mark = time.perf_counter(), step
+                first, stopping = step == start + 1, step != end and stop.requested()  # every process agrees
+                log_now, eval_now = first or due(cfg.log_every, step), due(cfg.eval_every, step)
+                save_now, sample_now = due(cfg.save_every, step) or stopping, due(cfg.sample_every, step)
+                sample_now = sample_now and cfg.sample_tokens > 0 and corpus.tokenizer is not None
+                profile_end = profile and step == profile[1]
+                if not (log_now or eval_now or save_now or sample_now or profile_end):
+                    continue
+                row = fetch()  # this step's metrics and state are needed now
+                if profile_end:
+                    jax.block_until_ready(state)
+                    jax.profiler.stop_trace()
+                    if jax.process_index() == 0:  # the compiled program's text: which scope each op comes from
+                        with open(os.path.join(run_dir, "profile", "jit_train_step.hlo.txt"), "w") as f:
+                            f.write(train_step.lower(state, batch).compile().as_text())
+                    log.write(f"profile of steps {profile[0]}-{profile[1]}: {run_dir}/profile; the top ops: "
+                              f"python tools/profile_top.py {run_dir}/profile")
+                if first:  # compiled and run once: throughput counts from here
+                    clock.update(t=time.perf_counter(), step=step, aside=0.0)
                     log.record("kernels", kernels.choices())  # the backends the compiled step uses, per op
-                if step % cfg.log_every == 0 or step == end:
-                    if pending is not None:
-                        mm = settle(*pending)
-                        pending = None
-                    else:
-                        mm = jax.device_get(m)
-                    dt = time.perf_counter() - t_mark
-                    tok_s = tokens_per_step * (step - step_mark) / dt if step > step_mark else float("nan")
-                    row = {"loss": float(mm["loss"]), "z": float(mm["z"]), "grad_norm": float(mm["grad_norm"]),
-                           "lr": float(mm["lr"]), "tokens_per_s": tok_s,
-                           "mfu": flops.mfu(fpt, tok_s, mesh.size, peak)}
-                    if step % cfg.eval_every == 0 or step == end:
-                        val_loss = evaluate(eval_step, state["params"], val, mesh)
-                        row["val_loss"] = val_loss
+                t_aside = time.perf_counter()
+                if eval_now:
+                    val_loss = row["eval/loss"] = evaluate(eval_step, state["params"], val, mesh)
+                clock["aside"] += time.perf_counter() - t_aside
+                if log_now or eval_now:  # logged before the save: a checkpoint's step always has its row
+                    if step > clock["step"]:
+                        tok_s = tokens_per_step * (step - clock["step"]) / (time.perf_counter() - clock["t"] - clock["aside"])
+                        row |= {"throughput/tokens_per_second": tok_s,
+                                "throughput/mfu": flops.mfu(fpt, tok_s, mesh.size, peak)}
+                        clock.update(t=time.perf_counter(), step=step, aside=0.0)
                     log.log(step, row)
-                    log.progress(step, loss=row["loss"], tok_s=f"{tok_s:,.0f}", mfu=f"{row['mfu']:.1%}")
-                    log.write(f"step {step:6d}  loss {row['loss']:.4f}  "
-                              + (f"val {val_loss:.4f}  " if "val_loss" in row else "")
-                              + f"{tok_s:,.0f} tok/s  MFU {row['mfu']:.1%} ({peak_src})")
-                    t_mark, step_mark = time.perf_counter(), step
-                if cfg.save_every and step % cfg.save_every == 0 and step != end:
-                    if pending is not None:
-                        settle(*pending)
-                        pending = None
-                    save(step, state)
-                if step != end and stop.requested():  # every process stops at the same step
-                    if pending is not None:
-                        settle(*pending)
-                        pending = None
+                    shown = {label: format(row[k], f) for k, (label, f) in SHOWN.items() if k in row}
+                    log.progress(step, **shown)
+                    log.write(f"step {step:6d}  " + "  ".join(f"{k} {v}" for k, v in shown.items()) + f"  ({peak_src})")
+                t_aside = time.perf_counter()
+                if save_now:
                     path = save(step, state)
+                if sample_now:  # every process takes part, one prints
+                    text = sample(state["params"], cfg, corpus, mesh, cfg.sample_tokens, jax.random.key(cfg.seed + 1))
+                    log.write(f"--- sample after {step} steps ---\n{text}\n---")
+                clock["aside"] += time.perf_counter() - t_aside
+                if stopping:
                     log.write(f"stopped by a signal after step {step}: saved {path}; exiting with code "
                               f"{guard.EXIT_PREEMPTED}. Continue with --resume true --run_dir {run_dir}")
                     raise Preempted(f"preempted after step {step}; checkpoint {path}")
-            if pending is not None:
-                settle(*pending)
-            if end > start:
-                save(end, state)
         finally:
             watchdog.stop()
             stop.restore()
             log.close()
             lock.release()
-
-        text = ""
-        if cfg.sample_tokens and corpus.tokenizer is not None:  # every process takes part, one prints
-            text = sample(state["params"], cfg, corpus, mesh, cfg.sample_tokens, jax.random.key(cfg.seed + 1))
-            if jax.process_index() == 0:
-                print(f"--- sample after {end} steps ---\n{text}\n---")
     return {"run_dir": run_dir, "losses": losses, "val_loss": val_loss, "step": end, "sample": text,
             "state": state}
 
