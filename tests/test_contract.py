@@ -39,7 +39,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shared import cli, kernels
+from shared import cli, kernels, memory
 from shared.variant import ROOT, discover, load
 
 VARIANTS = discover()
@@ -216,23 +216,39 @@ def _trace(train, cfg, n_devices):
     with jax.sharding.use_abstract_mesh(mesh):
         state = jax.eval_shape(lambda: train.init_state(cfg, opt, jax.random.key(0)))
         step = train.make_train_step(cfg, opt, schedule)
-        lowered = step.trace(state, batch_spec(train, mesh, cfg)).lower(lowering_platforms=("cuda",))
+        batch = batch_spec(train, mesh, cfg)
+        lowered = step.trace(state, batch).lower(lowering_platforms=("cuda",))
         out_state, metrics = lowered.out_info
+        micro = jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape[1:], b.dtype, sharding=NamedSharding(
+            mesh, train.batch_spec(0))), batch)
+        est = memory.estimate(state, lambda p, b: train.model.loss_fn(p, b, cfg.model)[0], micro,
+                              grad_accum=cfg.grad_accum)
     assert jax.tree.structure(out_state) == jax.tree.structure(state)
-    assert "loss" in metrics
+    assert "train/loss" in metrics
+    return est
 
 
 # ids end in "<variant>]" like every other test here, so -k "<variant>]" selects them too
 @pytest.mark.parametrize("variant,preset", PRESETS, ids=[f"{p}@{v}" for v, p in PRESETS])
 def test_trace_preset_at_scale(variant, preset):
-    """Every preset's train step traces at its own batch, sequence length and mesh."""
+    """Every preset's train step traces at its own batch, sequence length and mesh, and its estimated
+    memory per device (shared/memory.py) fits the device its header names (`# device: H100 80 GB`)."""
     _, train = modules(variant)
-    cfg = draccus.parse(train.TrainConfig, config_path=cli.presets(os.path.join(ROOT, variant))[preset], args=[])
+    path = cli.presets(os.path.join(ROOT, variant))[preset]
+    cfg = draccus.parse(train.TrainConfig, config_path=path, args=[])
     n = at_scale_devices(cfg)
     try:
-        _trace(train, cfg, n)
+        est = _trace(train, cfg, n)
     except Exception as e:
         raise AssertionError(f"{variant}: preset {preset!r} does not trace on {n} devices: {e}") from e
+    with open(path) as f:
+        device = memory.device_capacity(f.read())
+    assert device is not None, f"{path}: no '# device: <name> <n> GB' line naming the device it is written for"
+    name, capacity = device
+    print(f"\n{variant} {preset} on {n} devices, per device: {memory.report(est)} (device: {name})")
+    assert memory.fits(est, capacity), (
+        f"{path}: needs ~{est['total'] / 1e9:.1f} GB per device on {n} devices ({memory.report(est)}), more than "
+        f"{1 - memory.HEADROOM:.0%} of the {name} it names: raise grad_accum, shard wider or use remat")
 
 
 STATED = re.compile(r"~(\d+(?:\.(\d+))?)([MB]) parameters")

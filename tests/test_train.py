@@ -223,3 +223,18 @@ def test_a_bad_update_with_a_finite_loss_is_never_saved(small_corpus, tmp_path, 
     with pytest.raises(error[0], match=error[1]):
         train.main(small(small_corpus, tmp_path, steps=8, save_every=3))
     assert [os.path.basename(c) for c in checkpoint.all_checkpoints(str(tmp_path / "checkpoints"))] == ["step_00000003"]
+
+
+def test_profile_steps_capture_a_trace_whose_top_ops_name_the_model_scopes(small_corpus, tmp_path, capsys):
+    """--profile_steps A:B writes a jax.profiler trace and the compiled step's text into <run_dir>/profile;
+    tools/profile_top.py lists the ops by self time with the named scopes of the model they come from."""
+    train.main(small(small_corpus, tmp_path, steps=4, save_every=0, profile_steps="2:3"))
+    top = load(os.path.join(ROOT, "tools", "profile_top.py"))
+    capsys.readouterr()
+    assert top.main([str(tmp_path / "profile"), "--csv", str(tmp_path / "ops.csv")]) == 0
+    out = capsys.readouterr().out
+    for scope in ("layer/attention", "layer/mlp", "layer/attention (bwd)"):
+        assert f"  {scope}\n" in out, out
+    rows = (tmp_path / "ops.csv").read_text().splitlines()
+    assert rows[0] == "module,op,scope,self_ns,calls" and len(rows) > 20
+    assert top.main([str(tmp_path / "nothing-here")]) == 2
