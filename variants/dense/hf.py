@@ -221,11 +221,23 @@ def load(hf_dir: str, base=None):
 
 def init_config(cfg):
     """train.py's `--init_from hf:DIR`: the TrainConfig with DIR's architecture (the fields config.json
-    describes; the others as given) and DIR's tokenizer (unless --data.tokenizer names one)."""
+    describes; the others as given) and DIR's tokenizer (unless --data.tokenizer names one). What
+    cannot be imported raises model.ConfigError naming init_from and the Hugging Face field."""
     d = cfg.init_from[len("hf:"):]
-    m = model_config(hfio.read_config(d), cfg.model)
-    return dataclasses.replace(cfg, model=m, data=dataclasses.replace(cfg.data, tokenizer=cfg.data.tokenizer
-                                                                      or hfio.hf_tokenizer(d)))
+    try:
+        m = model_config(hfio.read_config(d), cfg.model)
+        tok = cfg.data.tokenizer or hfio.hf_tokenizer(d)
+    except HFError as e:
+        raise model.ConfigError(f"init_from: {e}") from e
+    return dataclasses.replace(cfg, model=m, data=dataclasses.replace(cfg.data, tokenizer=tok))
+
+
+def init_params(cfg):
+    """train.py's `--init_from hf:DIR`: DIR's params on the current mesh (errors as model.ConfigError)."""
+    try:
+        return import_params(cfg.init_from[len("hf:"):], cfg.model)
+    except HFError as e:
+        raise model.ConfigError(f"init_from: {e}") from e
 
 
 # ---------------------------------------------------------------- command line

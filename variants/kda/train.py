@@ -64,6 +64,7 @@ class TrainConfig:
     run_dir: str = ""  # "" = runs/<variant>-<time>; with --resume, the newest runs/<variant>-*
     resume: bool = False  # continue from the newest good checkpoint in run_dir
     resume_from: str = ""  # continue from this checkpoint: a step of run_dir's, or a checkpoint's path
+    init_from: str = ""  # "hf:DIR": start from a Hugging Face model's weights, architecture and tokenizer (hf.py here)
     watchdog_s: int = 1800  # abort (exit 70, every thread's stack written) if no step completes this long; 0 = off
     wandb: str = "auto"  # auto | online | offline | disabled
     sample_tokens: int = 64  # tokens sampled at the end (0 = no sample)
@@ -84,6 +85,10 @@ class TrainConfig:
         check(self.mesh_data == -1 or self.mesh_data > 0, "mesh_data", f"must be -1 or positive, got {self.mesh_data}")
         check(self.eval_every > 0 and self.log_every > 0, "eval_every", "eval_every and log_every must be positive")
         check(self.watchdog_s >= 0, "watchdog_s", f"must be >= 0 (0 = off), got {self.watchdog_s}")
+        check(not self.init_from or (self.init_from.startswith("hf:") and len(self.init_from) > 3), "init_from",
+              f"must be '' or hf:DIR (a Hugging Face model directory), got {self.init_from!r}")
+        check(not self.init_from or os.path.isfile(os.path.join(HERE, "hf.py")), "init_from",
+              f"{VARIANT} has no hf.py: no Hugging Face class maps to it (see the README's table)")
 
 
 # What the contract test (tests/test_contract.py) runs on 8 CPU devices: the CPU default at 32
@@ -240,6 +245,8 @@ def pick_run_dir(cfg: TrainConfig) -> str:
 
 
 def main(cfg: TrainConfig) -> dict:
+    if cfg.init_from:  # hf:DIR: the architecture and the tokenizer of a Hugging Face model (hf.py in this folder)
+        cfg = sibling(__file__, "hf").init_config(cfg)
     mesh = make_mesh(cfg)  # validates mesh/batch/width divisibility before anything is compiled
     run_dir = pick_run_dir(cfg)
     lock = guard.RunLock(run_dir)  # one run per directory: a second one is refused, naming the first
@@ -288,6 +295,9 @@ def main(cfg: TrainConfig) -> dict:
             state, meta = checkpoint.restore(last, abstract)
             loader.restore(meta["loader"])
             start = meta["step"]
+        elif cfg.init_from:  # the Hugging Face model's weights, a fresh optimizer state
+            params = sibling(__file__, "hf").init_params(cfg)
+            state = jax.jit(lambda p: {"params": p, "opt": optimizer.init(p), "step": jnp.zeros((), jnp.int32)})(params)
         else:
             state = jax.jit(lambda k: init_state(cfg, optimizer, k))(key)
         train_step, eval_step = make_train_step(cfg, optimizer, schedule), make_eval_step(cfg)
