@@ -289,3 +289,41 @@ def test_init_from_is_checked(tmp_path):
     hfio.write_json(str(tmp_path / "config.json"), {**LLAMA, "hidden_act": "relu"})
     with pytest.raises(train.model.ConfigError, match="^init_from: hidden_act: 'relu'"):
         train.main(train.TrainConfig(init_from=f"hf:{tmp_path}", run_dir=str(tmp_path / "run")))
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"qk_norm": False}, "model.qk_norm"), ({"attn_softcap": 30.0}, "model.attn_softcap"),
+    ({"global_rope": "none"}, "model.global_rope"), ({"global_rope_theta": 5e5}, "model.global_rope_theta"),
+])
+def test_swa_hybrid_export_refuses(change, field, tmp_path, tokenizer_file):
+    hf = hf_module("swa_hybrid")
+    cfg = tiny("swa_hybrid", **change)
+    with pytest.raises(hfio.HFError, match=f"^{field}: "):
+        hf.export_params({}, cfg, str(tmp_path / "hf"), tokenizer_file, max_length=64, progress=False)
+    assert not os.path.exists(tmp_path / "hf")
+
+
+QWEN3 = dict(LLAMA, architectures=["Qwen3ForCausalLM"], model_type="qwen3", num_hidden_layers=4,
+             use_sliding_window=True, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2)
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"layer_types": ["full_attention", "sliding_attention"] * 2}, "layer_types"),  # the last layer is always full
+    ({"layer_types": ["sliding_attention", "full_attention", "full_attention", "full_attention"]}, "layer_types"),
+    ({"layer_types": ["chunked_attention"] * 4}, "layer_types"),
+    ({"use_sliding_window": False}, "use_sliding_window"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "rope_parameters.rope_type"),
+    ({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "model_type"),
+])
+def test_swa_hybrid_import_refuses(change, field):
+    with pytest.raises(hfio.HFError, match=f"^{field}: "):
+        hf_module("swa_hybrid").model_config({**QWEN3, **change})
+
+
+def test_swa_hybrid_import_reads_the_layer_pattern():
+    hf = hf_module("swa_hybrid")
+    cfg = hf.model_config(QWEN3)
+    assert (cfg.global_every, cfg.window, cfg.head_gate, cfg.qk_norm) == (2, 8, False, True)
+    assert hf.model.global_layers(cfg) == [False, True, False, True]
+    assert hf.model.global_layers(hf.model_config({**QWEN3, "layer_types": ["full_attention"] * 4})) == [True] * 4
