@@ -169,9 +169,10 @@ def model_config(hf: dict, base=None):
         raise HFError(f"config.json maps to a ModelConfig dense refuses: {e}") from e
 
 
-def read_params(hf_dir: str, cfg, tensors: hfio.Safetensors | None = None) -> dict:
-    """The params of a Hugging Face directory as host arrays in cfg.param_dtype (leaf by leaf)."""
-    tensors = tensors or hfio.Safetensors(hf_dir)
+def read_params(hf_dir: str, cfg, place=None) -> dict:
+    """The params of a Hugging Face directory in cfg.param_dtype, one leaf at a time: host arrays, or
+    what `place(host leaf, leaf path)` makes of each (import_params: a sharded jax.Array)."""
+    tensors = hfio.Safetensors(hf_dir)
     shapes, dtype = model.param_shapes(cfg), np.dtype(ml_dtypes.bfloat16 if cfg.param_dtype == "bfloat16" else "float32")
     rows = tensor_map(cfg)
     used = {name for name, *_ in rows}
@@ -201,16 +202,22 @@ def read_params(hf_dir: str, cfg, tensors: hfio.Safetensors | None = None) -> di
         d = params
         for k in path[:-1]:
             d = d.setdefault(k, {})
-        d[path[-1]] = leaf
+        d[path[-1]] = place(leaf, path) if place else leaf
     return params
 
 
 def import_params(hf_dir: str, cfg) -> dict:
     """The params of a Hugging Face directory on the current mesh (jax.set_mesh), each leaf with its
     PartitionSpec from model.param_specs; one leaf on the host at a time."""
-    tensors, specs = hfio.Safetensors(hf_dir), model.param_specs(cfg)
-    host = read_params(hf_dir, cfg, tensors)
-    return jax.tree.map(lambda a, s: hfio.place(a, s), host, specs)
+    specs = model.param_specs(cfg)
+
+    def place(leaf, path):
+        spec = specs
+        for k in path:
+            spec = spec[k]
+        return hfio.place(leaf, spec)
+
+    return read_params(hf_dir, cfg, place)
 
 
 def load(hf_dir: str, base=None):
@@ -243,7 +250,7 @@ def init_params(cfg):
 # ---------------------------------------------------------------- command line
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog=f"variants/{VARIANT}/hf.py", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog=f"variants/{VARIANT}/hf.py", description="\n\n".join(__doc__.split("\n\n")[:2]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("export", help="a run's checkpoint -> a Hugging Face model directory")
