@@ -82,6 +82,7 @@ def hf_config(cfg, dtype: str, max_length: int) -> dict:
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
         "rms_norm_eps": cfg.norm_eps, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_theta": cfg.rope_theta,  # the same, for readers on transformers 4 (rope_parameters is 5's form)
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
         "attention_dropout": 0.0, "max_position_embeddings": max_length, "initializer_range": cfg.init_std,
         "use_cache": True,

@@ -107,6 +107,7 @@ def hf_config(cfg, dtype: str, max_length: int) -> dict:
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
         "rms_norm_eps": cfg.norm_eps,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.local_rope_theta},
+        "rope_theta": cfg.local_rope_theta,  # the same, for readers on transformers 4 (rope_parameters is 5's form)
         "use_sliding_window": True, "sliding_window": cfg.window, "max_window_layers": cfg.n_layers,
         "layer_types": ["full_attention" if g else "sliding_attention" for g in model.global_layers(cfg)],
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False,
