@@ -12,6 +12,7 @@ without a counterpart is refused with its own message. Needs torch and transform
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -161,7 +162,6 @@ def transformers_model(variant, tmp_path, tokenizer_file, **over):
                 p.add_(0.1 * torch.randn_like(p))
     d = str(tmp_path / "hf-random")
     m.save_pretrained(d)
-    import shutil
     shutil.copyfile(tokenizer_file, os.path.join(d, "tokenizer.json"))
     return d
 
@@ -228,7 +228,6 @@ def test_export_and_import_command_lines(tmp_path, tokenizer_file):
         checkpoint.save(str(run / "checkpoints"), 7, {"params": params, "step": jnp.int32(7)},
                         {"config": {"model": dataclasses.asdict(cfg), "seq_len": 32}, "variant": "dense"})
     os.makedirs(run, exist_ok=True)
-    import shutil
     shutil.copyfile(tokenizer_file, run / "tokenizer.json")
     script, env = os.path.join(ROOT, "variants", "dense", "hf.py"), dict(os.environ, PYTHONPATH=ROOT)
     out, back = tmp_path / "hf", tmp_path / "back"
@@ -329,3 +328,12 @@ def test_swa_hybrid_import_reads_the_layer_pattern():
     assert (cfg.global_every, cfg.window, cfg.head_gate, cfg.qk_norm) == (2, 8, False, True)
     assert hf.model.global_layers(cfg) == [False, True, False, True]
     assert hf.model.global_layers(hf.model_config({**QWEN3, "layer_types": ["full_attention"] * 4})) == [True] * 4
+
+
+def test_export_refuses_a_leaf_the_table_does_not_map(monkeypatch):
+    """A copied hf.py next to a model that gained a weight refuses to export instead of dropping it."""
+    hf = hf_module("dense")
+    rows = hf.tensor_map
+    monkeypatch.setattr(hf, "tensor_map", lambda cfg: [r for r in rows(cfg) if r[1] != ("final_norm",)])
+    with pytest.raises(hfio.HFError, match=r"^hf.py: dense's params have leaves this file does not map: \['final_norm'\]"):
+        hf.export_tensors(tiny("dense"), None, np.dtype("float32"))

@@ -90,7 +90,13 @@ def hf_config(cfg, dtype: str, max_length: int) -> dict:
 
 
 def export_tensors(cfg, leaves, dtype: np.dtype) -> list[hfio.Tensor]:
-    """The Hugging Face tensors, each read (one layer of one leaf) only when it is written."""
+    """The Hugging Face tensors, each read (one layer of one leaf) only when it is written. Refuses params
+    with a leaf the table does not map (a copy of this file next to a model that gained a weight)."""
+    mapped = {path for _, path, _, _ in tensor_map(cfg)} | set()
+    paths = {tuple(k.key for k in p) for p, _ in jax.tree_util.tree_flatten_with_path(
+        model.param_shapes(cfg), is_leaf=lambda s: isinstance(s, tuple))[0]}
+    refuse(paths <= mapped, "hf.py", f"{VARIANT}'s params have leaves this file does not map: "
+           f"{sorted('.'.join(p) for p in paths - mapped)}; edit tensor_map (and check the math) with the model")
     out = []
     for name, path, layer, transposed in tensor_map(cfg):
         shape = leaves.shape(path)[1:] if layer is not None else leaves.shape(path)
