@@ -301,3 +301,16 @@ def restore(path: str, target):
                 raise
             raise CheckpointError(f"checkpoint {path}: leaf {name} cannot be read: {type(e).__name__}: {e}") from e
     return jax.tree.unflatten(treedef, out), meta
+
+
+def open_leaf(path: str, name: str):
+    """Open leaf `name` of checkpoint `path` for reading by slices (a tensorstore array:
+    `a[i].read().result()`), for tools that stream a checkpoint leaf by leaf (shared/hf.py)
+    instead of restoring it whole. Check the checkpoint first with `verify(path, checksums=True)`."""
+    meta = read_metadata(path)
+    if name not in meta["leaves"]:
+        raise CheckpointError(f"checkpoint {path} has no leaf {name}; it has {sorted(meta['leaves'])[:8]} ...")
+    try:
+        return ts.open(_spec(path, name, meta.get("ocdbt", False)), open=True).result()
+    except (ValueError, RuntimeError, OSError) as e:
+        raise CheckpointError(f"checkpoint {path}: leaf {name} cannot be read: {type(e).__name__}: {e}") from e

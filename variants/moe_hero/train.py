@@ -71,6 +71,7 @@ class TrainConfig:
     run_dir: str = ""  # "" = runs/<variant>-<time>; with --resume, the newest runs/<variant>-*
     resume: bool = False  # continue from the newest good checkpoint in run_dir
     resume_from: str = ""  # continue from this checkpoint: a step of run_dir's, or a checkpoint's path
+    init_from: str = ""  # "hf:DIR": start from a Hugging Face model's weights, architecture and tokenizer (hf.py here)
     watchdog_s: int = 1800  # abort (exit 70, every thread's stack written) if no step completes this long; 0 = off
     wandb: str = "auto"  # auto | online | offline | disabled
     sample_every: int = 0  # sample `sample_tokens` tokens every this many steps; 0 = only at the end
@@ -114,6 +115,10 @@ class TrainConfig:
               "is empty: sampling continues a prompt (or set sample_tokens 0)")
         check(self.profile_steps == "" or profile_range(self) is not None, "profile_steps",
               f"must be A:B with 0 < A <= B <= steps={self.steps}, got {self.profile_steps!r}")
+        check(not self.init_from or (self.init_from.startswith("hf:") and len(self.init_from) > 3), "init_from",
+              f"must be '' or hf:DIR (a Hugging Face model directory), got {self.init_from!r}")
+        check(not self.init_from or os.path.isfile(os.path.join(HERE, "hf.py")), "init_from",
+              f"{VARIANT} has no hf.py: no Hugging Face class maps to it (see the README's table)")
 
 
 WANDB_MODES = ("auto", "online", "offline", "disabled")
@@ -323,6 +328,8 @@ def pick_run_dir(cfg: TrainConfig) -> str:
 
 
 def main(cfg: TrainConfig) -> dict:
+    if cfg.init_from:  # hf:DIR: the architecture and the tokenizer of a Hugging Face model (hf.py in this folder)
+        cfg = sibling(__file__, "hf").init_config(cfg)
     mesh = make_mesh(cfg)  # validates mesh/batch/width divisibility before anything is compiled
     run_dir = pick_run_dir(cfg)
     lock = guard.RunLock(run_dir)  # one run per directory: a second one is refused, naming the first
@@ -371,6 +378,9 @@ def main(cfg: TrainConfig) -> dict:
             state, meta = checkpoint.restore(last, abstract)
             loader.restore(meta["loader"])
             start = meta["step"]
+        elif cfg.init_from:  # the Hugging Face model's weights, a fresh optimizer state
+            params = sibling(__file__, "hf").init_params(cfg)
+            state = jax.jit(lambda p: {"params": p, "opt": optimizer.init(p), "step": jnp.zeros((), jnp.int32)})(params)
         else:
             state = jax.jit(lambda k: init_state(cfg, optimizer, k))(key)
         train_step, eval_step = make_train_step(cfg, optimizer, schedule), make_eval_step(cfg)
