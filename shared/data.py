@@ -428,7 +428,8 @@ def train_tokenizer(docs: list[str], vocab_size: int):
 
 
 def load_tokenizer(path: str):
-    """(tokenizer, sha256 of its json file) from a tokenizer.json path or URL."""
+    """(tokenizer, its digest) from a tokenizer.json path or URL. The digest is the sha256 of the file
+    `Tokenizer.save` writes (for such a file, of its bytes), so a copy saved by a run matches the original."""
     from tokenizers import Tokenizer
     if tokenstore.is_url(path):
         head, _, key = path.rpartition("/")
@@ -441,7 +442,7 @@ def load_tokenizer(path: str):
         tok = Tokenizer.from_str(raw.decode())
     except Exception as e:
         raise DataError(f"cannot load tokenizer {path!r}: {e}") from e
-    return tok, hashlib.sha256(raw).hexdigest()
+    return tok, hashlib.sha256(tok.to_str(pretty=True).encode()).hexdigest()
 
 
 def _get_tokenizer(cfg: DataConfig, docs: list[str], digest: str, vocab_size: int, progress: bool):

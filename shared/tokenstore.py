@@ -84,19 +84,13 @@ class Folder:
 
     def exists(self, key: str) -> bool:
         if self.url:
-            return self.kv().read(key, byte_range=slice(0, 0)).result().state == "value"
+            return self.result(key, self.read_async(key, 0, 0)) is not None
         return os.path.isfile(self.name(key))
 
     def read(self, key: str, start: int | None = None, stop: int | None = None) -> bytes | None:
         """The bytes of key (or of [start, stop)); None if the key is missing."""
         if self.url:
-            try:
-                r = self.kv().read(key, byte_range=None if start is None else slice(start, stop)).result()
-            except ValueError as e:
-                if "OUT_OF_RANGE" in str(e):  # a range past the end of the value: what is there of it is nothing
-                    return b""
-                raise DataError(f"{self.name(key)}: cannot read ({e})") from e
-            return r.value if r.state == "value" else None
+            return self.result(key, self.read_async(key, start, stop))
         path = self.name(key)
         if not os.path.isfile(path):
             return None
@@ -104,6 +98,19 @@ class Folder:
             if start is None:
                 return f.read()
             return os.pread(f.fileno(), stop - start, start)
+
+    def read_async(self, key: str, start: int | None = None, stop: int | None = None):
+        """A URL's read as a future (many in flight at once); `result` waits for it."""
+        return self.kv().read(key, byte_range=None if start is None else slice(start, stop))
+
+    def result(self, key: str, future) -> bytes | None:
+        try:
+            r = future.result()
+        except ValueError as e:
+            if "OUT_OF_RANGE" in str(e):  # a range past the end of the value: what is there of it is nothing
+                return b""
+            raise DataError(f"{self.name(key)}: cannot read ({e})") from e
+        return r.value if r.state == "value" else None
 
     def size(self, key: str) -> int | None:
         if self.url:
@@ -238,24 +245,26 @@ class TokenStore:
 
     def _check_sizes(self) -> None:
         item = self.dtype.itemsize
-        for i, s in enumerate(self.shards):
-            for ext, want in (("tokens", s["tokens"] * item), ("docs", s["docs"] * 16)):
-                key = shard_key(i, ext)
-                if self.folder.url:  # ranged reads: the last item exists and nothing lies past it
-                    last = self.folder.read(key, max(want - 1, 0), want) if want else b""
-                    if last is None:
-                        raise DataError(f"{self.folder.name(key)}: missing shard file")
-                    past = self.folder.read(key, want, want + 1)
-                    if len(last) != min(want, 1) or past:
-                        raise DataError(f"{self.folder.name(key)}: truncated or altered shard (the manifest "
-                                        f"says {want} bytes)")
-                    continue
-                got = self.folder.size(key)
-                if got is None:
-                    raise DataError(f"{self.folder.name(key)}: missing shard file")
-                if got != want:
-                    raise DataError(f"{self.folder.name(key)}: truncated or altered shard: {got} bytes, the "
-                                    f"manifest says {want}")
+        files = [(shard_key(i, ext), want) for i, s in enumerate(self.shards)
+                 for ext, want in (("tokens", s["tokens"] * item), ("docs", s["docs"] * 16))]
+        if self.folder.url:  # ranged reads, all in flight at once: the last byte exists and nothing lies past it
+            f = self.folder
+            pending = [(key, want, f.read_async(key, max(want - 1, 0), want), f.read_async(key, want, want + 1))
+                       for key, want in files]
+            for key, want, last, past in pending:
+                last, past = f.result(key, last), f.result(key, past)
+                if last is None:
+                    raise DataError(f"{f.name(key)}: missing shard file")
+                if len(last) != min(want, 1) or past:
+                    raise DataError(f"{f.name(key)}: truncated or altered shard (the manifest says {want} bytes)")
+            return
+        for key, want in files:
+            got = self.folder.size(key)
+            if got is None:
+                raise DataError(f"{self.folder.name(key)}: missing shard file")
+            if got != want:
+                raise DataError(f"{self.folder.name(key)}: truncated or altered shard: {got} bytes, the "
+                                f"manifest says {want}")
 
     def docs(self, shard: int) -> np.ndarray:
         """Shard's [docs, 2] (end, bytes) array: memory-mapped (local) or read once (URL)."""

@@ -333,3 +333,60 @@ def test_train_cli_names_a_bad_store_before_any_step(tmp_path, tok_file):
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1] == f"error: {tmp_path}/s/shards/00005.docs: missing shard file"
     assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
+
+
+def test_emitted_multi_host_jobs_run_one_shard_each(tmp_path, capsys):
+    import yaml
+    base = ["corpus/*.jsonl.zst", "--out", "gs://b/web", "--tokenizer", "tok.json", "--workers", "4", "--hosts", "8"]
+    pretokenize.main([*base, "--emit", "slurm"])
+    script = capsys.readouterr().out
+    assert "#SBATCH --array=0-7" in script and "--shard ${SLURM_ARRAY_TASK_ID}/8" in script
+    (tmp_path / "t.sbatch").write_text(script)
+    assert subprocess.run(["bash", "-n", str(tmp_path / "t.sbatch")]).returncode == 0
+    pretokenize.main([*base, "--emit", "k8s", "--image", "reg/stencil:1"])
+    job = yaml.safe_load(capsys.readouterr().out)
+    assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["completions"] == 8
+    cmd = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert cmd[:2] == ["sh", "-c"] and cmd[2].endswith("--shard ${JOB_COMPLETION_INDEX}/8")
+    assert "'corpus/*.jsonl.zst'" in cmd[2]  # quoted: the glob is expanded by the command, not the shell
+
+
+def test_a_resaved_tokenizer_matches_its_store(tmp_path, tok_file):
+    """A run saves its tokenizer with Tokenizer.save; resuming with that copy must match a store made with
+    the original file, however that file was formatted."""
+    from tokenizers import Tokenizer
+    compact = tmp_path / "compact.json"
+    compact.write_text(Tokenizer.from_file(tok_file).to_str())  # not pretty-printed: other bytes, same tokenizer
+    src = write_corpus(tmp_path, n_docs=12)
+    pretokenize.run([str(src / "*.txt")], str(tmp_path / "s"), tokenizer=str(compact), workers=1, progress=False)
+    first = load_corpus(DataConfig(source=str(tmp_path / "s")), VOCAB, progress=False)
+    first.tokenizer.save(str(tmp_path / "run_tokenizer.json"))
+    again = load_corpus(DataConfig(source=str(tmp_path / "s"), tokenizer=str(tmp_path / "run_tokenizer.json")), VOCAB)
+    assert again.tokenizer_digest == first.tokenizer_digest and again.digest == first.digest
+
+
+def test_train_resumes_a_mixture_bit_exactly_and_logs_named_eval_sets(small_corpus, tmp_path, tok_file):
+    """train.main on a mixture of a store and a text source with a named eval set: stopped at step 2 and
+    resumed equals a straight run (losses, weights, loader state), and eval/<name>/loss and bpb are logged."""
+    import test_train
+    from tokenizers import Tokenizer
+    tok = tmp_path / "tok512.json"
+    Tokenizer.from_file(tok_file).save(str(tok))  # 320 tokens: fits the tiny model's vocab_size 512
+    src = write_corpus(tmp_path, n_docs=30)
+    pretokenize.run([str(src / "*.txt")], str(tmp_path / "s"), tokenizer=str(tok), workers=1, progress=False)
+    cfg = dict(data=DataConfig(source=f"s={tmp_path / 's'}@0.25,py={small_corpus}@0.75", tokenizer=str(tok),
+                               eval=f"held={src / 'doc00*.txt'}", val_fraction=0.1),
+               steps=4, save_every=0, eval_every=2, eval_batches=1)
+    straight = test_train.train.main(test_train.small(small_corpus, tmp_path / "a", **cfg))
+    test_train.train.main(test_train.small(small_corpus, tmp_path / "b", stop_at=2, **cfg))
+    resumed = test_train.train.main(test_train.small(small_corpus, tmp_path / "b", resume=True, **cfg))
+    assert resumed["losses"] == {k: v for k, v in straight["losses"].items() if k > 2}
+    for a, b in zip(test_train.arrays(straight["state"]), test_train.arrays(resumed["state"])):
+        np.testing.assert_array_equal(a, b)
+    rows = [json.loads(line) for line in open(tmp_path / "a" / "metrics.jsonl")]
+    last = rows[-1]
+    assert {"eval/loss", "eval/bpb", "eval/held/loss", "eval/held/bpb", "val_loss"} <= set(last)
+    assert last["val_loss"] == last["eval/loss"] and 0 < last["eval/held/bpb"] < 20
+    from shared import checkpoint
+    meta = checkpoint.read_metadata(checkpoint.latest(str(tmp_path / "b" / "checkpoints")))
+    assert meta["loader"]["weights"] == {"s": 0.25, "py": 0.75} and meta["loader"]["step"] == 4
