@@ -469,8 +469,6 @@ def eos_id_of(tok) -> int:
     raise DataError(f"tokenizer has none of the end-of-document tokens {EOS_CANDIDATES}")
 
 
-_eos_id = eos_id_of
-
 
 def encode_documents(tok, docs: list[str], eos_id: int, vocab_size: int, progress: bool = True):
     """(flat tokens, document end offsets); each document gets eos appended."""

@@ -131,8 +131,8 @@ def run(sources: list[str], out: str, *, tokenizer: str = "", vocab_size: int = 
         if not vocab_size:
             raise DataError("give --tokenizer tokenizer.json, or --vocab_size N to train a byte-level BPE")
         if count > 1:
-            raise DataError("--shard i/n with n > 1 needs --tokenizer: train it once first (python -m shared.pretokenize "
-                            "SAMPLE --out DIR --vocab_size N), then pass DIR/tokenizer.json")
+            raise DataError("--shard i/n with n > 1 needs --tokenizer: train it once first (python -m "
+                            "shared.pretokenize SAMPLE --out DIR --vocab_size N), then pass DIR/tokenizer.json")
         if progress:
             print(f"training a {vocab_size}-token BPE tokenizer on the inputs", file=sys.stderr)
         folder.write("tokenizer.json", _train(files, vocab_size, text_field).to_str().encode())
@@ -254,7 +254,8 @@ def main(argv=None) -> None:
                                                ".parquet)")
     ap.add_argument("--out", required=True, help="the token store: a folder, or a file:// gs:// s3:// URL")
     ap.add_argument("--tokenizer", default="", help="a tokenizers tokenizer.json (copied into the store)")
-    ap.add_argument("--vocab_size", type=int, default=0, help="without --tokenizer: train a byte-level BPE of this size")
+    ap.add_argument("--vocab_size", type=int, default=0,
+                    help="without --tokenizer: train a byte-level BPE of this size")
     ap.add_argument("--text_field", default="text", help="JSONL field / Parquet column holding the text")
     ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1)), help="worker processes (default: "
                     "one per CPU; each tokenizes on one thread)")
