@@ -1,63 +1,238 @@
-"""Data: a text corpus -> byte-level BPE tokens -> packed rows of seq_len+1 tokens.
+"""Data: text or token stores -> packed rows of seq_len+1 tokens, one source or a weighted mixture.
 
-The default corpus is the running interpreter's standard library (.py files), so nothing
-is ever downloaded. The tokenizer and the token array are cached under a content hash
-(the document bytes, vocab size and FORMAT_VERSION), so a second load is fast.
+Every input goes through a token store (shared/tokenstore.py: shards of token ids, document
+boundaries and a manifest). A store made by `python -m shared.tokenize` is read as it is; the
+built-in default (`stdlib`: the running interpreter's standard library, so nothing is ever
+downloaded), text files and a `.npy` of token ids are tokenized once into a store in the cache
+(keyed by a hash of the documents, the vocab size, the tokenizer and FORMAT_VERSION), so a second
+load is fast. Rows are read from the store on demand: nothing loads a whole store.
+
+`--data.source` names one source (`stdlib`; comma-separated paths/globs of text files; one .npy;
+one token store, a folder or a URL) or a mixture of named sources with weights:
+`web=gs://bucket/web@0.7,code=/data/code@0.3` (a YAML preset may give `weights: {web: 0.7, code:
+0.3}` instead of the @ suffixes). Each source holds out `val_fraction` of its documents (evenly
+spaced, independent of the seed); the held-out rows, mixed by weight, are the default evaluation
+set (`eval/loss`, `eval/bpb`). `--data.eval name=path,...` adds named sets (a token store or a text source).
 
 Packing: the token stream of a split is cut into rows of T+1 tokens; row r is tokens
-[r*(T+1), (r+1)*(T+1)). Every document ends with eos. loss_mask is 0 where the target
-lies in a different document than the input token, so nothing predicts across documents.
-Rows are visited in a permutation that depends only on (seed, epoch).
+[r*(T+1), (r+1)*(T+1)). Every document ends with eos. loss_mask is 0 where the target lies in a
+different document than the input token, so nothing predicts across documents. A source's rows
+are visited in a keyed permutation of (seed, source, epoch) that needs no table in memory; a
+mixture picks each row's source by (seed, step), and a source that runs out starts its next
+epoch on its own. The global batch at step s is the same for any number of processes, and each
+process reads only its own rows.
+
+Bits per byte (`eval/<name>/bpb`): the evaluation's summed loss in bits divided by the UTF-8 bytes
+of the text its predicted tokens stand for; each predicted token carries bytes(doc) / (tokens(doc)
+- 1) of its document (the first token of a document is never predicted), so a set evaluated row
+by row in full gives exactly bits / bytes of its whole documents.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
+import gzip
 import hashlib
+import io
 import json
+import math
 import os
+import re
+import shutil
 import sys
 import sysconfig
 import uuid
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
 
 import numpy as np
 from tqdm import tqdm
 
-FORMAT_VERSION = 1
+from shared import tokenstore
+from shared.tokenstore import DataError, TokenStore  # noqa: F401  (DataError is data.DataError)
+
+FORMAT_VERSION = 2
 EOS = "<|eos|>"
-TEXT_EXTS = (".txt", ".md", ".py", ".jsonl")
+TEXT_EXTS = (".txt", ".md", ".py", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
 TRAIN_BYTES = 8_000_000  # the BPE is trained on an evenly strided subset of about this size
 EOS_CANDIDATES = (EOS, "<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+NAME = re.compile(r"^([A-Za-z_][A-Za-z0-9_.-]*)=(.+)$")
 
 
-class DataError(ValueError):
-    """Bad data input: the message names the cause."""
+def _check(ok: bool, name: str, why: str) -> None:
+    if not ok:
+        raise DataError(f"data.{name}: {why}")
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = "stdlib"       # "stdlib", path/glob (comma-separated) of text files, or one .npy
-    text_field: str = "text"     # field read from each JSONL line
-    tokenizer: str = ""          # "" = train a byte-level BPE on the corpus; or a tokenizer.json
-    val_fraction: float = 0.02   # fraction of documents held out (at least 1 document)
-    max_bytes: int = 0           # cap on corpus text bytes read (0 = no cap)
+    source: str = "stdlib"       # "stdlib"; text paths/globs (comma-separated); one .npy; a token store (folder
+    #                              or URL); or a mixture name=path@weight,... (see shared/data.py)
+    weights: dict[str, float] = field(default_factory=dict)  # mixture weights by source name (YAML form); {} = @w / 1
+    eval: str = ""               # extra evaluation sets: name=path,... (token stores or text sources)
+    text_field: str = "text"     # field read from each JSONL line / Parquet column
+    tokenizer: str = ""          # "" = the store's, or train a byte-level BPE on the text; or a tokenizer.json
+    val_fraction: float = 0.02   # fraction of each source's documents held out (at least 1 document)
+    max_bytes: int = 0           # cap on the text bytes read from a text source (0 = no cap)
     cache_dir: str = ""          # "" = $STENCIL_CACHE or ~/.cache/stencil
     seed: int = 0                # data order seed
+
+    def __post_init__(self):
+        _check(isinstance(self.source, str) and self.source.strip() != "", "source", "must name a source")
+        parse_sources(self.source, self.weights)  # names, weights: each error names data.source / data.weights
+        parse_eval(self.eval)
+        _check(bool(self.text_field), "text_field", "must be a field name, got ''")
+        _check(self.tokenizer == "" or self.tokenizer.endswith(".json"), "tokenizer",
+               f"must be '' or a tokenizer .json file, got {self.tokenizer!r}")
+        _check(0.0 < self.val_fraction < 1.0, "val_fraction", f"must be in (0, 1), got {self.val_fraction}")
+        _check(self.max_bytes >= 0, "max_bytes", f"must be >= 0 (0 = no cap), got {self.max_bytes}")
+        _check(not (self.cache_dir and os.path.isfile(os.path.expanduser(self.cache_dir))), "cache_dir",
+               f"{self.cache_dir!r} is a file, not a directory")
+        _check(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
+
+
+def parse_sources(source: str, weights: dict | None = None) -> list[tuple[str, str, float]]:
+    """[(name, spec, weight)]: one unnamed source ("", source, 1.0), or the named entries of a mixture."""
+    weights = dict(weights or {})
+    entries = [e.strip() for e in source.split(",") if e.strip()]
+    named = [NAME.match(e) for e in entries]
+    if not any(named):
+        if weights:
+            raise DataError(f"data.weights: names sources {sorted(weights)} but data.source {source!r} has no "
+                            "named sources (name=path,...)")
+        return [("", source.strip(), 1.0)]
+    out = []
+    for e, m in zip(entries, named):
+        if not m:
+            raise DataError(f"data.source: {e!r} has no name; in a mixture every entry is name=path[@weight]")
+        name, spec = m.groups()
+        w = None
+        if "@" in spec:
+            spec, _, ws = spec.rpartition("@")
+            try:
+                w = float(ws)
+            except ValueError:
+                raise DataError(f"data.source: weight {ws!r} of source {name!r} is not a number") from None
+        if name in weights:
+            if w is not None:
+                raise DataError(f"data.weights: source {name!r} already has weight @{w:g} in data.source")
+            w = float(weights.pop(name))
+        if any(n == name for n, _, _ in out):
+            raise DataError(f"data.source: source name {name!r} appears twice")
+        out.append((name, spec, 1.0 if w is None else w))
+    if weights:
+        raise DataError(f"data.weights: unknown source(s) {sorted(weights)}; the sources are {[n for n, _, _ in out]}")
+    for name, _, w in out:
+        if not (math.isfinite(w) and w >= 0):
+            raise DataError(f"data.weights: source {name!r} has weight {w}; weights must be finite and >= 0")
+    if sum(w for _, _, w in out) <= 0:
+        raise DataError(f"data.weights: the weights of {[n for n, _, _ in out]} sum to zero")
+    return out
+
+
+def parse_eval(spec: str) -> list[tuple[str, str]]:
+    """[(name, path)] of data.eval = "name=path,..."."""
+    out = []
+    for e in (e.strip() for e in spec.split(",")):
+        if not e:
+            continue
+        m = NAME.match(e)
+        if not m:
+            raise DataError(f"data.eval: {e!r} is not name=path")
+        if m.group(1) in [n for n, _ in out] or m.group(1) == "val":
+            raise DataError(f"data.eval: the name {m.group(1)!r} is used twice ('val' is the held-out split)")
+        out.append(m.groups())
+    return out
 
 
 @dataclass
 class Split:
-    """A flat token array and the exclusive end offset of each document in it."""
+    """An in-memory token array and the exclusive end offset of each document in it (and its bytes)."""
     tokens: np.ndarray    # 1-D uint16/uint32
     doc_ends: np.ndarray  # 1-D int64, increasing, last == len(tokens)
+    doc_bytes: np.ndarray | None = None  # UTF-8 bytes of each document's text (None: unknown)
+    name: str = "split"
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
 
     @property
     def n_docs(self) -> int:
         return len(self.doc_ends)
 
     def n_rows(self, seq_len: int) -> int:
-        return len(self.tokens) // (seq_len + 1)
+        return self.n_tokens // (seq_len + 1)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        return self.tokens[start:stop]
+
+    def doc_ids(self, pos: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.doc_ends, pos, side="right")
+
+    def doc_stats(self, ids: np.ndarray):
+        lengths = np.diff(self.doc_ends, prepend=0)[ids]
+        return lengths, None if self.doc_bytes is None else self.doc_bytes[ids]
+
+
+class Stream:
+    """A view of a token store: runs of whole documents [starts[i], ends[i]) (store positions), in order."""
+
+    def __init__(self, store: TokenStore, starts, ends, name: str):
+        self.store, self.name = store, name
+        self.starts, self.ends = np.asarray(starts, np.int64), np.asarray(ends, np.int64)
+        self.cum = np.r_[0, np.cumsum(self.ends - self.starts)]
+        self.n_tokens = int(self.cum[-1])
+
+    def n_rows(self, seq_len: int) -> int:
+        return self.n_tokens // (seq_len + 1)
+
+    def _to_store(self, pos: np.ndarray) -> np.ndarray:
+        r = np.searchsorted(self.cum, pos, side="right") - 1
+        return self.starts[r] + pos - self.cum[r]
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        out = []
+        r = int(np.searchsorted(self.cum, start, side="right")) - 1
+        while start < stop:
+            hi = min(stop, int(self.cum[r + 1]))
+            base = int(self.starts[r] - self.cum[r])
+            out.append(self.store.read(base + start, base + hi))
+            start, r = hi, r + 1
+        return out[0] if len(out) == 1 else np.concatenate(out)
+
+    def doc_ids(self, pos: np.ndarray) -> np.ndarray:
+        return self.store.doc_index(self._to_store(np.asarray(pos, np.int64)))
+
+    def doc_stats(self, ids: np.ndarray):
+        s, e, nbytes = self.store.doc_spans(ids)
+        return e - s, None if self.store.n_bytes is None else nbytes
+
+    # Whole-view conveniences for small data and tests (they materialize the view).
+    @property
+    def tokens(self) -> np.ndarray:
+        return self.read(0, self.n_tokens)
+
+    @property
+    def doc_ends(self) -> np.ndarray:
+        ids = self.doc_ids(np.arange(self.n_tokens))
+        return np.r_[np.flatnonzero(np.diff(ids)) + 1, self.n_tokens].astype(np.int64)
+
+    @property
+    def n_docs(self) -> int:
+        first = self.store.doc_index(self.starts)
+        last = self.store.doc_index(self.ends - 1)
+        return int(np.sum(last - first + 1))
+
+
+@dataclass
+class Source:
+    name: str        # "" for a single unnamed source
+    weight: float
+    train: object    # Stream (or Split)
+    val: object
+    digest: str      # what the data is: sha256 of the documents (text), the ids (.npy) or the manifest (store)
 
 
 @dataclass
@@ -65,10 +240,12 @@ class Corpus:
     tokenizer: object | None  # tokenizers.Tokenizer; None for pre-tokenized input without one
     vocab_size: int
     eos_id: int
-    train: Split
-    val: Split
-    digest: str = ""  # sha256 of the documents (text) or of the token array (.npy): what the data is
+    train: object | None  # the single source's train view (None for a mixture: see sources)
+    val: object | None
+    digest: str = ""  # what the data is (and, for a mixture, its names and weights)
     tokenizer_digest: str = ""  # sha256 of the tokenizer's json file ("" without one)
+    sources: list = field(default_factory=list)  # [Source]
+    evals: dict = field(default_factory=dict)    # name -> Stream of the named evaluation sets
 
     def encode(self, text: str) -> list[int]:
         return self._tok().encode(text, add_special_tokens=False).ids
@@ -121,13 +298,55 @@ def source_files(source: str) -> list[str]:
     return sorted(files)
 
 
-def _file_docs(path: str, text_field: str, lenient: bool):
+def _open_text(path: str) -> bytes:
     raw = open(path, "rb").read()
+    try:
+        if path.endswith(".gz"):
+            return gzip.decompress(raw)
+        if path.endswith(".zst"):
+            try:
+                import zstandard
+            except ImportError:
+                raise DataError(f"{path}: reading .zst needs zstandard (pip install -e '.[data]')") from None
+            return zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw)).read()
+    except (OSError, EOFError, zlib.error) as e:
+        raise DataError(f"{path}: cannot decompress ({e})") from e
+    except Exception as e:  # zstandard.ZstdError
+        if type(e).__module__.startswith("zstandard"):
+            raise DataError(f"{path}: cannot decompress ({e})") from e
+        raise
+    return raw
+
+
+def _parquet_docs(path: str, text_field: str):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading Parquet needs pyarrow (pip install -e '.[data]')") from None
+    try:
+        f = pq.ParquetFile(path)
+    except Exception as e:
+        raise DataError(f"{path}: not a readable Parquet file ({e})") from e
+    if text_field not in f.schema_arrow.names:
+        raise DataError(f"{path}: no column {text_field!r} (columns: {f.schema_arrow.names}); set --data.text_field")
+    for batch in f.iter_batches(columns=[text_field], batch_size=1024):
+        for v in batch.column(0).to_pylist():
+            if not isinstance(v, str):
+                raise DataError(f"{path}: column {text_field!r} holds {type(v).__name__}, not text")
+            yield v
+
+
+def file_docs(path: str, text_field: str, lenient: bool = False):
+    """The documents of one file: the whole text, one per JSONL line, or one per Parquet row."""
+    if path.endswith(".parquet"):
+        yield from _parquet_docs(path, text_field)
+        return
+    raw = _open_text(path)
     try:
         text = raw.decode("utf-8", errors="replace" if lenient else "strict")
     except UnicodeDecodeError as e:
         raise DataError(f"{path} is not valid UTF-8 ({e})") from e
-    if not path.endswith(".jsonl"):
+    if ".jsonl" not in os.path.basename(path):
         yield text
         return
     for n, line in enumerate(text.splitlines(), 1):
@@ -142,14 +361,15 @@ def _file_docs(path: str, text_field: str, lenient: bool):
         yield obj[text_field]
 
 
-def read_documents(cfg: DataConfig) -> list[str]:
-    """Non-empty documents of the source, in sorted file order, capped at cfg.max_bytes."""
-    files = source_files(cfg.source)
+def read_documents(cfg: DataConfig, source: str | None = None) -> list[str]:
+    """Non-empty documents of a text source (default cfg.source), in sorted file order, capped at cfg.max_bytes."""
+    source = cfg.source if source is None else source
+    files = source_files(source)
     if any(f.endswith(".npy") for f in files):
         raise DataError(f"a .npy source must be a single file on its own, got {len(files)} files")
     docs, used = [], 0
     for f in files:
-        for d in _file_docs(f, cfg.text_field, lenient=cfg.source == "stdlib"):
+        for d in file_docs(f, cfg.text_field, lenient=source == "stdlib"):
             if cfg.max_bytes:
                 b = d.encode()
                 if used + len(b) > cfg.max_bytes:
@@ -160,15 +380,24 @@ def read_documents(cfg: DataConfig) -> list[str]:
             if cfg.max_bytes and used >= cfg.max_bytes:
                 return docs
     if not docs:
-        raise DataError(f"all {len(files)} file(s) of data source {cfg.source!r} are empty")
+        raise DataError(f"all {len(files)} file(s) of data source {source!r} are empty")
     return docs
+
+
+def docs_digest(docs: list[str]) -> str:
+    h = hashlib.sha256(b"docs-v1")
+    for d in docs:
+        b = d.encode()
+        h.update(len(b).to_bytes(8, "little"))
+        h.update(b)
+    return h.hexdigest()
 
 
 # ---------------------------------------------------------------- tokenizer and cache
 
 def _cache_dir(cfg: DataConfig) -> str:
     d = cfg.cache_dir or os.environ.get("STENCIL_CACHE") or os.path.expanduser("~/.cache/stencil")
-    d = os.path.join(d, "data")
+    d = os.path.join(os.path.expanduser(d), "data")
     os.makedirs(d, exist_ok=True)
     return d
 
@@ -198,12 +427,29 @@ def train_tokenizer(docs: list[str], vocab_size: int):
     return tok
 
 
+def load_tokenizer(path: str):
+    """(tokenizer, its digest) from a tokenizer.json path or URL. The digest is the sha256 of the file
+    `Tokenizer.save` writes (for such a file, of its bytes), so a copy saved by a run matches the original."""
+    from tokenizers import Tokenizer
+    if tokenstore.is_url(path):
+        head, _, key = path.rpartition("/")
+        raw = tokenstore.Folder(head).read(key)
+    else:
+        raw = open(path, "rb").read() if os.path.isfile(path) else None
+    if raw is None:
+        raise DataError(f"tokenizer file {path!r} does not exist")
+    try:
+        tok = Tokenizer.from_str(raw.decode())
+    except Exception as e:
+        raise DataError(f"cannot load tokenizer {path!r}: {e}") from e
+    return tok, hashlib.sha256(tok.to_str(pretty=True).encode()).hexdigest()
+
+
 def _get_tokenizer(cfg: DataConfig, docs: list[str], digest: str, vocab_size: int, progress: bool):
     """(tokenizer, sha256 of its json file): loaded from cfg.tokenizer, the cache, or trained."""
-    from tokenizers import Tokenizer
     path = cfg.tokenizer
     if not path:
-        key = hashlib.sha256(f"bpe-v{FORMAT_VERSION}-{vocab_size}-{digest}".encode()).hexdigest()
+        key = hashlib.sha256(f"bpe-v1-{vocab_size}-{digest}".encode()).hexdigest()
         path = os.path.join(_cache_dir(cfg), f"tok-{key[:32]}.json")
         if not os.path.exists(path):
             if vocab_size < 257:
@@ -212,17 +458,10 @@ def _get_tokenizer(cfg: DataConfig, docs: list[str], digest: str, vocab_size: in
                 print(f"training a {vocab_size}-token BPE tokenizer (cached in {path})", file=sys.stderr)
             tok = train_tokenizer(docs, vocab_size)
             _atomic(path, lambda tmp: tok.save(tmp))
-    if not os.path.isfile(path):
-        raise DataError(f"tokenizer file {path!r} does not exist")
-    raw = open(path, "rb").read()
-    try:
-        tok = Tokenizer.from_str(raw.decode())
-    except Exception as e:
-        raise DataError(f"cannot load tokenizer {path!r}: {e}") from e
-    return tok, hashlib.sha256(raw).hexdigest()
+    return load_tokenizer(path)
 
 
-def _eos_id(tok) -> int:
+def eos_id_of(tok) -> int:
     for name in EOS_CANDIDATES:
         i = tok.token_to_id(name)
         if i is not None:
@@ -230,9 +469,10 @@ def _eos_id(tok) -> int:
     raise DataError(f"tokenizer has none of the end-of-document tokens {EOS_CANDIDATES}")
 
 
+
 def encode_documents(tok, docs: list[str], eos_id: int, vocab_size: int, progress: bool = True):
     """(flat tokens, document end offsets); each document gets eos appended."""
-    dtype = np.uint16 if vocab_size <= 65536 else np.uint32
+    dtype = tokenstore.token_dtype(vocab_size)
     parts = []
     for i in tqdm(range(0, len(docs), 64), desc="tokenizing", unit="64 docs", disable=not progress):
         for enc in tok.encode_batch_fast(docs[i:i + 64], add_special_tokens=False):  # no offsets: 2x faster
@@ -240,18 +480,38 @@ def encode_documents(tok, docs: list[str], eos_id: int, vocab_size: int, progres
     return np.concatenate(parts), np.cumsum([len(p) for p in parts], dtype=np.int64)
 
 
-# ---------------------------------------------------------------- splits and loading
+def _build_store(path: str, write) -> TokenStore:
+    """Build a cache store with write(folder) into a temporary folder, then rename it into place."""
+    if not os.path.exists(os.path.join(path, "manifest.json")):
+        tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            write(tokenstore.Folder(tmp))
+            try:
+                os.rename(tmp, path)
+            except OSError:  # built meanwhile by another process
+                pass
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return TokenStore(path)
 
-def split_documents(tokens: np.ndarray, doc_ends: np.ndarray, val_fraction: float) -> tuple[Split, Split]:
-    """(train, val): val is an evenly spaced, seed-independent subset of documents."""
+
+# ---------------------------------------------------------------- splits
+
+def holdout(n_docs: int, val_fraction: float, what: str) -> np.ndarray:
+    """Indices of the held-out documents: evenly spaced, independent of the seed."""
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    n_docs = len(doc_ends)
     if n_docs < 2:
-        raise DataError(f"need at least 2 documents for a train/val split, got {n_docs}")
+        raise DataError(f"{what}: need at least 2 documents for a train/val split, got {n_docs}")
     n_val = min(n_docs - 1, max(1, round(val_fraction * n_docs)))
+    return ((np.arange(n_val) + 0.5) * n_docs / n_val).astype(np.int64)
+
+
+def split_documents(tokens: np.ndarray, doc_ends: np.ndarray, val_fraction: float) -> tuple[Split, Split]:
+    """(train, val) in memory: val is the `holdout` subset of documents."""
+    n_docs = len(doc_ends)
     is_val = np.zeros(n_docs, bool)
-    is_val[((np.arange(n_val) + 0.5) * n_docs / n_val).astype(np.int64)] = True
+    is_val[holdout(n_docs, val_fraction, "the corpus")] = True
     lengths = np.diff(doc_ends, prepend=0)
     tok_val = np.repeat(is_val, lengths)
 
@@ -260,80 +520,196 @@ def split_documents(tokens: np.ndarray, doc_ends: np.ndarray, val_fraction: floa
     return make(~is_val, ~tok_val), make(is_val, tok_val)
 
 
-def _pretokenized(cfg: DataConfig, vocab_size: int) -> tuple[np.ndarray, np.ndarray, int, object]:
-    path = os.path.expanduser(cfg.source)
+def store_splits(store: TokenStore, val_fraction: float, name: str) -> tuple[Stream, Stream]:
+    """(train, val) views of a store: the same documents as split_documents, without reading tokens."""
+    val = holdout(store.n_docs, val_fraction, store.root)
+    vs, ve, _ = store.doc_spans(val)
+    ts_ = np.r_[0, ve]
+    te = np.r_[vs, store.n_tokens]
+    keep = te > ts_
+    return (Stream(store, ts_[keep], te[keep], f"{name or 'train'} (train split of {store.root})"),
+            Stream(store, vs, ve, f"{name or 'train'} (held-out split of {store.root})"))
+
+
+def whole(store: TokenStore, name: str) -> Stream:
+    return Stream(store, [0], [store.n_tokens], name)
+
+
+# ---------------------------------------------------------------- opening sources
+
+def _is_store(spec: str) -> bool:
+    return tokenstore.is_url(spec) or os.path.isfile(os.path.join(os.path.expanduser(spec), "manifest.json"))
+
+
+def _text_store(cfg: DataConfig, spec: str, tok, tok_digest: str, vocab_size: int, progress: bool,
+                docs: list[str] | None = None, digest: str = "") -> tuple[TokenStore, str]:
+    """A text source tokenized once into a store in the cache: (store, digest of its documents)."""
+    if docs is None:
+        docs = read_documents(cfg, spec)
+        digest = docs_digest(docs)
+    key = hashlib.sha256(f"store-v{FORMAT_VERSION}-{vocab_size}-{digest}-{tok_digest}".encode()).hexdigest()
+
+    def write(folder):
+        eos = eos_id_of(tok)
+        tokens, ends = encode_documents(tok, docs, eos, vocab_size, progress)
+        nbytes = np.array([len(d.encode()) for d in docs], np.int64)
+        m = tokenstore.write_shard(folder, 0, tokens, tokenstore.build_docs(np.diff(ends, prepend=0), nbytes), spec)
+        folder.write("tokenizer.json", tok.to_str().encode())
+        tokenstore.write_manifest(folder, [m], tokenizer_sha256=tok_digest, vocab_size=vocab_size, eos_id=eos)
+    return _build_store(os.path.join(_cache_dir(cfg), f"store-{key[:32]}"), write), digest
+
+
+def _npy_store(cfg: DataConfig, spec: str, tok, tok_digest: str, vocab_size: int) -> tuple[TokenStore, str]:
+    """A .npy of token ids as a store in the cache (documents end at eos; a missing last eos is added)."""
+    path = os.path.expanduser(spec)
     if not os.path.isfile(path):
         raise DataError(f"pre-tokenized file {path!r} does not exist")
-    arr = np.load(path)
+    try:
+        arr = np.load(path, mmap_mode="r")
+    except Exception as e:
+        raise DataError(f"{path}: not a readable .npy file ({e})") from e
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer) or arr.size == 0:
         raise DataError(f"{path}: expected a non-empty 1-D integer array, got {arr.dtype} {arr.shape}")
     lo, hi = int(arr.min()), int(arr.max())
     if lo < 0 or hi >= vocab_size:
-        raise DataError(f"{path}: token ids span [{lo}, {hi}] but vocab_size is {vocab_size}")
-    tok = None
-    if cfg.tokenizer:
-        tok, _ = _get_tokenizer(cfg, [], "", vocab_size, False)
-    eos_id = _eos_id(tok) if tok is not None else 0
-    if arr[-1] != eos_id:
-        arr = np.append(arr, eos_id)
-    arr = arr.astype(np.uint16 if vocab_size <= 65536 else np.uint32)
-    ends = (np.flatnonzero(arr == eos_id) + 1).astype(np.int64)
-    return arr, ends, eos_id, tok
+        raise DataError(f"{path}: token ids span [{lo}, {hi}] but vocab_size is {vocab_size} (ids out of range)")
+    eos = eos_id_of(tok) if tok is not None else 0
+    arr = np.asarray(arr).astype(tokenstore.token_dtype(vocab_size))
+    if arr[-1] != eos:
+        arr = np.append(arr, np.asarray(eos, arr.dtype))
+    digest = hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest()
+    key = hashlib.sha256(f"npy-v{FORMAT_VERSION}-{vocab_size}-{digest}-{tok_digest}".encode()).hexdigest()
+
+    def write(folder):
+        ends = np.flatnonzero(arr == eos) + 1
+        m = tokenstore.write_shard(folder, 0, arr, tokenstore.build_docs(np.diff(ends, prepend=0), None), path)
+        if tok is not None:
+            folder.write("tokenizer.json", tok.to_str().encode())
+        tokenstore.write_manifest(folder, [m], tokenizer_sha256=tok_digest, vocab_size=vocab_size, eos_id=eos,
+                                  has_text=False)
+    return _build_store(os.path.join(_cache_dir(cfg), f"store-{key[:32]}"), write), digest
+
+
+def _open_store(spec: str, vocab_size: int, tok_digest: str | None, what: str) -> TokenStore:
+    store = TokenStore(spec)
+    where = store.folder.name("manifest.json")
+    if store.vocab_size > vocab_size:
+        raise DataError(f"{where}: the store's vocabulary has {store.vocab_size} tokens but the model's "
+                        f"vocab_size is {vocab_size}")
+    if tok_digest is not None and store.tokenizer_sha256 != tok_digest:
+        raise DataError(f"{where}: tokenizer hash {store.tokenizer_sha256[:12] or '(none)'} does not match {what} "
+                        f"({tok_digest[:12] or '(none)'}): its token ids mean other text")
+    store.check_ids(vocab_size)
+    return store
+
+
+def _store_tokenizer(store: TokenStore):
+    return load_tokenizer(store.folder.name("tokenizer.json")) if store.folder.exists("tokenizer.json") else (None, "")
 
 
 def load_corpus(cfg: DataConfig, vocab_size: int, *, progress: bool = True) -> Corpus:
-    """Read, tokenize (cached) and split the corpus named by cfg."""
+    """Open (or tokenize once into the cache) every source of cfg, split each, and open the eval sets."""
     if vocab_size <= 0 or vocab_size > 2**32:
         raise DataError(f"vocab_size must be in [1, 2**32], got {vocab_size}")
-    if cfg.source.strip().endswith(".npy"):
-        tokens, ends, eos_id, tok = _pretokenized(cfg, vocab_size)
-        digest = hashlib.sha256(np.ascontiguousarray(tokens).tobytes()).hexdigest()
-        tok_digest = hashlib.sha256(open(cfg.tokenizer, "rb").read()).hexdigest() if cfg.tokenizer else ""
-    else:
-        docs = read_documents(cfg)
-        h = hashlib.sha256(f"docs-v{FORMAT_VERSION}".encode())
-        for d in docs:
-            b = d.encode()
-            h.update(len(b).to_bytes(8, "little"))
-            h.update(b)
-        digest = h.hexdigest()
-        tok, tok_digest = _get_tokenizer(cfg, docs, digest, vocab_size, progress)
-        if tok.get_vocab_size() > vocab_size:
-            raise DataError(f"tokenizer has {tok.get_vocab_size()} tokens but vocab_size is {vocab_size}")
-        eos_id = _eos_id(tok)
-        key = hashlib.sha256(f"ids-v{FORMAT_VERSION}-{vocab_size}-{digest}-{tok_digest}".encode()).hexdigest()
-        base = os.path.join(_cache_dir(cfg), f"ids-{key[:32]}")
-        if os.path.exists(base + ".tokens.npy") and os.path.exists(base + ".ends.npy"):
-            tokens, ends = np.load(base + ".tokens.npy"), np.load(base + ".ends.npy")
+    entries = parse_sources(cfg.source, cfg.weights)
+    kinds = ["store" if _is_store(s) else "npy" if s.endswith(".npy") else "text" for _, s, _ in entries]
+
+    # The tokenizer: the given one, else the first store's, else a BPE trained on the first text source.
+    tok, tok_digest, first_docs, first_digest = None, None, None, ""
+    if cfg.tokenizer:
+        tok, tok_digest = load_tokenizer(cfg.tokenizer)
+    elif "store" in kinds:
+        first = _open_store(entries[kinds.index("store")][1], vocab_size, None, "")
+        tok, tok_digest = _store_tokenizer(first)
+        tok_digest = first.tokenizer_sha256 if tok is None else tok_digest
+    elif "text" in kinds:
+        first_docs = read_documents(cfg, entries[kinds.index("text")][1])
+        first_digest = docs_digest(first_docs)
+        tok, tok_digest = _get_tokenizer(cfg, first_docs, first_digest, vocab_size, progress)
+    if tok is not None and tok.get_vocab_size() > vocab_size:
+        raise DataError(f"tokenizer has {tok.get_vocab_size()} tokens but vocab_size is {vocab_size}")
+    what = f"the tokenizer {cfg.tokenizer}" if cfg.tokenizer else "the corpus tokenizer"
+
+    sources = []
+    for (name, spec, w), kind in zip(entries, kinds):
+        if kind == "store":
+            store = _open_store(spec, vocab_size, tok_digest, what)
+            digest = store.digest
+        elif kind == "npy":
+            store, digest = _npy_store(cfg, spec, tok, tok_digest or "", vocab_size)
         else:
-            tokens, ends = encode_documents(tok, docs, eos_id, vocab_size, progress)
-            _atomic(base + ".tokens.npy", lambda tmp: np.save(tmp, tokens))
-            _atomic(base + ".ends.npy", lambda tmp: np.save(tmp, ends))
-    train, val = split_documents(tokens, ends, cfg.val_fraction)
-    return Corpus(tok, vocab_size, eos_id, train, val, digest, tok_digest)
+            if tok is None:
+                raise DataError(f"data.source: text source {spec!r} needs a tokenizer (set data.tokenizer)")
+            reuse = first_docs is not None and spec == entries[kinds.index("text")][1]
+            store, digest = _text_store(cfg, spec, tok, tok_digest, vocab_size, progress,
+                                        first_docs if reuse else None, first_digest)
+        train, val = store_splits(store, cfg.val_fraction, name)
+        sources.append(Source(name, w, train, val, digest))
+
+    evals = {}
+    for name, spec in parse_eval(cfg.eval):
+        if _is_store(spec):
+            store = _open_store(spec, vocab_size, tok_digest, what)
+        elif spec.endswith(".npy"):
+            store, _ = _npy_store(cfg, spec, tok, tok_digest or "", vocab_size)
+        else:
+            if tok is None:
+                raise DataError(f"data.eval: text set {name}={spec} needs a tokenizer (set data.tokenizer)")
+            store, _ = _text_store(dataclasses.replace(cfg, max_bytes=0), spec, tok, tok_digest, vocab_size, progress)
+        evals[name] = whole(store, f"eval set {name} ({store.root})")
+
+    eos = eos_id_of(tok) if tok is not None else sources[0].train.store.eos_id
+    if len(sources) == 1:
+        digest = sources[0].digest
+    else:
+        digest = hashlib.sha256(json.dumps([[s.name, s.digest, s.weight] for s in sources]).encode()).hexdigest()
+    one = len(sources) == 1
+    return Corpus(tok, vocab_size, eos, sources[0].train if one else None, sources[0].val if one else None,
+                  digest, tok_digest or "", sources, evals)
 
 
 # ---------------------------------------------------------------- packing and order
 
-def pack_rows(split: Split, rows: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
+def pack_rows(split, rows: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
     """The batch for the given row indices of the split (see module docstring)."""
     T = seq_len
-    pos = np.asarray(rows, np.int64)[:, None] * (T + 1) + np.arange(T + 1)
-    row = split.tokens[pos].astype(np.int32)
-    doc = np.searchsorted(split.doc_ends, pos, side="right")
+    rows = np.asarray(rows, np.int64)
+    pos = rows[:, None] * (T + 1) + np.arange(T + 1)
+    if isinstance(split, Split):
+        row = split.tokens[pos].astype(np.int32)
+    else:
+        row = np.stack([split.read(int(s), int(s) + T + 1) for s in rows * (T + 1)]).astype(np.int32)
+    doc = split.doc_ids(pos)
+    new = np.concatenate([np.zeros((len(rows), 1), np.int64), (doc[:, 1:T] != doc[:, :T - 1])], axis=1)
     return {
         "tokens": row[:, :-1],
         "targets": row[:, 1:],
-        "segment_ids": (doc[:, :-1] - doc[:, :1] + 1).astype(np.int32),
+        "segment_ids": (np.cumsum(new, axis=1) + 1).astype(np.int32),
         "loss_mask": (doc[:, :-1] == doc[:, 1:]).astype(np.float32),
     }
 
 
-def _check_rows(split: Split, seq_len: int, what: str) -> int:
+def row_bytes(split, rows: np.ndarray, seq_len: int) -> float | None:
+    """UTF-8 text bytes the predicted targets of these rows stand for (None: the text is unknown)."""
+    T = seq_len
+    pos = np.asarray(rows, np.int64)[:, None] * (T + 1) + np.arange(T + 1)
+    doc = split.doc_ids(pos)
+    predicted = doc[:, :-1] == doc[:, 1:]
+    ids = doc[:, 1:][predicted]
+    uniq, inv = np.unique(ids, return_inverse=True)
+    lengths, nbytes = split.doc_stats(uniq)
+    if nbytes is None:
+        return None
+    per_token = nbytes / np.maximum(lengths - 1, 1)
+    return float(np.sum(per_token[inv]))
+
+
+def _check_rows(split, seq_len: int, what: str) -> int:
     n = split.n_rows(seq_len)
     if n < 1:
-        raise DataError(f"the {what} split has {len(split.tokens)} tokens but seq_len={seq_len} "
-                        f"needs at least {seq_len + 1} for one row")
+        name = getattr(split, "name", "")
+        raise DataError(f"the {what} split{' ' + name if name and name != 'split' else ''} has {split.n_tokens} "
+                        f"tokens but seq_len={seq_len} needs at least {seq_len + 1} for one row")
     return n
 
 
@@ -345,33 +721,54 @@ def _process_slice(batch: int, process_index: int, process_count: int) -> int:
     return batch // process_count
 
 
-class Loader:
-    """Deterministic, resumable loader; each process reads only its slice of a global batch."""
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
-    def __init__(self, split: Split, seq_len: int, global_batch: int, seed: int, *,
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer, elementwise on uint64."""
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> np.uint64(30))) * _M1
+        z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+def permute(idx: np.ndarray, n: int, key: tuple) -> np.ndarray:
+    """A keyed pseudo-random bijection of [0, n) applied to idx: a 4-round Feistel network on the
+    next even power of two, cycle-walked back into range. No table: memory does not grow with n."""
+    bits = max(2, int(n - 1).bit_length())
+    bits += bits & 1
+    half, mask = np.uint64(bits // 2), np.uint64((1 << (bits // 2)) - 1)
+    keys = np.random.default_rng([int(k) for k in key]).integers(0, 2**63, 4, dtype=np.uint64)
+
+    def rounds(x):
+        left, right = x >> half, x & mask
+        for k in keys:
+            left, right = right, left ^ (_mix(right ^ k) & mask)
+        return (left << half) | right
+
+    out = rounds(np.asarray(idx, np.uint64))
+    bad = out >= n
+    while bad.any():
+        out[bad] = rounds(out[bad])
+        bad = out >= n
+    return out.astype(np.int64)
+
+
+class Loader:
+    """Deterministic, resumable loader of one split; each process reads only its slice of a global batch."""
+
+    def __init__(self, split, seq_len: int, global_batch: int, seed: int, *,
                  process_index: int = 0, process_count: int = 1):
         self.split, self.seq_len, self.global_batch, self.seed = split, seq_len, global_batch, int(seed)
         self.b = _process_slice(global_batch, process_index, process_count)
         self.offset = process_index * self.b
         self.n_rows = _check_rows(split, seq_len, "loader's")
         self.position = 0
-        self._perms: dict[int, np.ndarray] = {}
-
-    def _perm(self, epoch: int) -> np.ndarray:
-        if epoch not in self._perms:
-            if len(self._perms) > 2:
-                self._perms.pop(min(self._perms))
-            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.n_rows)
-        return self._perms[epoch]
 
     def rows(self, position: int) -> np.ndarray:
         """This process's row indices for the global batch starting at position."""
         p = position + self.offset + np.arange(self.b)
-        epochs, idx = p // self.n_rows, p % self.n_rows
-        out = np.empty(self.b, np.int64)
-        for e in np.unique(epochs):
-            out[epochs == e] = self._perm(int(e))[idx[epochs == e]]
-        return out
+        return epoch_rows(p, self.n_rows, (self.seed,))
 
     def next(self) -> dict[str, np.ndarray]:
         batch = pack_rows(self.split, self.rows(self.position), self.seq_len)
@@ -389,10 +786,145 @@ class Loader:
         self.position = int(state["position"])
 
 
-def eval_batches(split: Split, seq_len: int, batch: int, n_batches: int, *,
+def epoch_rows(p: np.ndarray, n_rows: int, key: tuple) -> np.ndarray:
+    """Row index of the p-th row read from a split of n_rows: epoch p // n_rows, permuted by (key, epoch)."""
+    epochs, idx = p // n_rows, p % n_rows
+    out = np.empty(len(p), np.int64)
+    for e in np.unique(epochs):
+        out[epochs == e] = permute(idx[epochs == e], n_rows, (*key, int(e)))
+    return out
+
+
+def _salt(name: str) -> int:
+    return zlib.crc32(name.encode())
+
+
+class MixtureLoader:
+    """Rows of several splits mixed by weight. Step s's sources come from (seed, step) alone: systematic
+    sampling (each source gets floor or ceil of weight x batch rows), slots shuffled; each source reads its
+    own rows in its own epochs. The state (step, rows each source has consumed) resumes it bit-exactly."""
+
+    def __init__(self, splits: dict, weights: dict, seq_len: int, global_batch: int, seed: int, *,
+                 process_index: int = 0, process_count: int = 1):
+        self.names = list(splits)
+        self.splits = [splits[n] for n in self.names]
+        w = np.array([float(weights[n]) for n in self.names])
+        self.weights = {n: float(weights[n]) for n in self.names}
+        self.cum = np.cumsum(w / w.sum())
+        self.seq_len, self.global_batch, self.seed = seq_len, global_batch, int(seed)
+        self.b = _process_slice(global_batch, process_index, process_count)
+        self.offset = process_index * self.b
+        self.n_rows = [_check_rows(s, seq_len, f"loader's ({n})") if self.weights[n] > 0 else 0
+                       for n, s in zip(self.names, self.splits)]
+        self.step = 0
+        self.consumed = np.zeros(len(self.names), np.int64)
+
+    def sources(self, step: int) -> np.ndarray:
+        """The source index of every slot of the global batch at step."""
+        rng = np.random.default_rng([self.seed, 0x6D6978, step])
+        u = (np.arange(self.global_batch) + rng.random()) / self.global_batch
+        src = np.minimum(np.searchsorted(self.cum, u, side="right"), len(self.names) - 1)
+        return src[rng.permutation(self.global_batch)]
+
+    def next(self) -> dict[str, np.ndarray]:
+        src = self.sources(self.step)
+        rank = np.empty(len(src), np.int64)  # how many earlier slots of this step read the same source
+        for k in np.unique(src):
+            rank[src == k] = np.arange(np.sum(src == k))
+        mine = slice(self.offset, self.offset + self.b)
+        s, r = src[mine], rank[mine]
+        out = {}
+        for k in np.unique(s):
+            sel = s == k
+            rows = epoch_rows(self.consumed[k] + r[sel], self.n_rows[k], (self.seed, _salt(self.names[k])))
+            part = pack_rows(self.splits[k], rows, self.seq_len)
+            for key, v in part.items():
+                out.setdefault(key, np.empty((self.b, *v.shape[1:]), v.dtype))[sel] = v
+        self.consumed += np.bincount(src, minlength=len(self.names))
+        self.step += 1
+        return out
+
+    def state(self) -> dict:
+        return {"seed": self.seed, "step": self.step, "weights": self.weights,
+                "consumed": {n: int(c) for n, c in zip(self.names, self.consumed)}}
+
+    def restore(self, state: dict) -> None:
+        if set(state) != {"seed", "step", "weights", "consumed"}:
+            raise DataError(f"mixture loader state must have keys seed, step, weights, consumed; got {sorted(state)}")
+        if int(state["seed"]) != self.seed:
+            raise DataError(f"loader state has seed {state['seed']} but this loader has seed {self.seed}")
+        if {n: float(w) for n, w in state["weights"].items()} != self.weights:
+            raise DataError(f"loader state has mixture weights {state['weights']} but this run has {self.weights}")
+        self.step = int(state["step"])
+        self.consumed = np.array([int(state["consumed"][n]) for n in self.names], np.int64)
+
+
+def make_loader(corpus: Corpus, seq_len: int, global_batch: int, seed: int, *,
+                process_index: int = 0, process_count: int = 1):
+    """The corpus's training loader: a Loader for one source, a MixtureLoader for several."""
+    kw = dict(process_index=process_index, process_count=process_count)
+    if len(corpus.sources) == 1:
+        return Loader(corpus.sources[0].train, seq_len, global_batch, seed, **kw)
+    return MixtureLoader({s.name: s.train for s in corpus.sources}, {s.name: s.weight for s in corpus.sources},
+                         seq_len, global_batch, seed, **kw)
+
+
+# ---------------------------------------------------------------- evaluation sets
+
+@dataclass
+class EvalSet:
+    batches: list    # this process's rows of each fixed batch
+    tokens: float    # predicted tokens (loss_mask) over the global batches
+    bytes: float | None  # text bytes they stand for (None: unknown, no bits per byte)
+
+    def bpb(self, loss: float) -> float | None:
+        """Bits per byte from the mean loss (nats per predicted token) over these batches."""
+        return None if not self.bytes else loss * self.tokens / self.bytes / math.log(2)
+
+
+def eval_set(parts: list, seq_len: int, batch: int, n_batches: int, *,
+             process_index: int = 0, process_count: int = 1) -> EvalSet:
+    """n_batches fixed batches from [(split, weight)]: each split's share of the rows (largest remainder
+    of the weights) evenly spaced over it, repeating only if the split is too small."""
+    b = _process_slice(batch, process_index, process_count)
+    total = n_batches * batch
+    w = np.array([p[1] for p in parts], float)
+    quota = w / w.sum() * total
+    count = np.floor(quota).astype(np.int64)
+    count[np.argsort(-(quota - count), kind="stable")[: total - count.sum()]] += 1
+    rows = []
+    for (split, _), c in zip(parts, count):
+        if c:
+            n_rows = _check_rows(split, seq_len, "validation")
+            rows += [(split, r) for r in (np.arange(c) * n_rows) // c]
+    batches, tokens, nbytes = [], 0.0, 0.0
+    for k in range(n_batches):  # every process packs the whole (small) global batch: tokens and bytes are global
+        glob_rows, packed = rows[k * batch:(k + 1) * batch], []
+        for split, _ in parts:
+            mine = np.array([r for s, r in glob_rows if s is split], np.int64)
+            if len(mine):
+                packed.append(pack_rows(split, mine, seq_len))
+                nb = row_bytes(split, mine, seq_len)
+                nbytes = None if nb is None or nbytes is None else nbytes + nb
+        full = {key: np.concatenate([p[key] for p in packed]) for key in packed[0]}
+        tokens += float(full["loss_mask"].sum())
+        batches.append({key: v[process_index * b:(process_index + 1) * b] for key, v in full.items()})
+    return EvalSet(batches, tokens, nbytes)
+
+
+def eval_batches(split, seq_len: int, batch: int, n_batches: int, *,
                  process_index: int = 0, process_count: int = 1) -> list[dict]:
     """n_batches fixed batches of evenly spaced rows (repeating only if the split is too small)."""
-    b = _process_slice(batch, process_index, process_count)
-    n_rows = _check_rows(split, seq_len, "validation")
-    rows = (np.arange(n_batches * batch) * n_rows) // (n_batches * batch)
-    return [pack_rows(split, rows[k * batch + process_index * b:][:b], seq_len) for k in range(n_batches)]
+    return eval_set([(split, 1.0)], seq_len, batch, n_batches, process_index=process_index,
+                    process_count=process_count).batches
+
+
+def eval_sets(corpus: Corpus, seq_len: int, batch: int, n_batches: int, *,
+              process_index: int = 0, process_count: int = 1) -> dict[str, EvalSet]:
+    """The evaluation sets: "" = the held-out split of the training sources (mixed by weight), then
+    every named set of data.eval."""
+    kw = dict(process_index=process_index, process_count=process_count)
+    out = {"": eval_set([(s.val, s.weight) for s in corpus.sources if s.weight > 0], seq_len, batch, n_batches, **kw)}
+    for name, stream in corpus.evals.items():
+        out[name] = eval_set([(stream, 1.0)], seq_len, batch, n_batches, **kw)
+    return out

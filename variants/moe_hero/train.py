@@ -278,6 +278,18 @@ def evaluate(eval_step, params, batches, mesh) -> float:
     return nll / max(n, 1.0)
 
 
+def evaluate_sets(eval_step, params, sets, mesh) -> dict:
+    """eval/loss (the held-out split, set "") and eval/<name>/loss of every named set, each with its bits per
+    byte of the original text (eval/bpb, eval/<name>/bpb) when the set's text is known."""
+    row = {}
+    for name, s in sets.items():
+        key = f"eval/{name}/" if name else "eval/"
+        row[key + "loss"] = evaluate(eval_step, params, s.batches, mesh)
+        if s.bpb(row[key + "loss"]) is not None:
+            row[key + "bpb"] = s.bpb(row[key + "loss"])
+    return row
+
+
 def sample(params, cfg: TrainConfig, corpus, mesh, n_tokens: int, key) -> str:
     """Temperature-0.8 sampling from `sample_prompt`, recomputing the full row each token."""
     prompt = corpus.encode(cfg.sample_prompt)[: cfg.seq_len - 1] or [corpus.eos_id]
@@ -348,10 +360,10 @@ def main(cfg: TrainConfig) -> dict:
         data_cfg = dataclasses.replace(data_cfg, tokenizer=tokenizer_file)  # the run's own: token ids keep their meaning
     corpus = data.load_corpus(data_cfg, cfg.model.vocab_size, progress=jax.process_index() == 0)
     stream = {"corpus": corpus.digest, "tokenizer": corpus.tokenizer_digest, "seq_len": cfg.seq_len}
-    loader = data.Loader(corpus.train, cfg.seq_len, cfg.batch_size, cfg.data.seed,
-                         process_index=jax.process_index(), process_count=jax.process_count())
-    val = data.eval_batches(corpus.val, cfg.seq_len, cfg.batch_size // cfg.grad_accum, cfg.eval_batches,
-                            process_index=jax.process_index(), process_count=jax.process_count())
+    loader = data.make_loader(corpus, cfg.seq_len, cfg.batch_size, cfg.data.seed,
+                              process_index=jax.process_index(), process_count=jax.process_count())
+    evals = data.eval_sets(corpus, cfg.seq_len, cfg.batch_size // cfg.grad_accum, cfg.eval_batches,
+                           process_index=jax.process_index(), process_count=jax.process_count())
     optimizer, schedule = make_optimizer(cfg)
 
     with jax.set_mesh(mesh):
@@ -362,7 +374,7 @@ def main(cfg: TrainConfig) -> dict:
             saved = saved_meta["config"]
             for part in ("model", "data"):
                 now = dataclasses.asdict(getattr(cfg, part))
-                paths = ("source", "tokenizer", "cache_dir") if part == "data" else ()  # content: compared below
+                paths = ("source", "tokenizer", "cache_dir", "eval") if part == "data" else ()  # content: compared below
                 diff = {k: (saved[part].get(k), v) for k, v in now.items() if saved[part].get(k) != v and k not in paths}
                 if diff:
                     raise TrainingError(f"--resume: {part} config differs from {last}: {diff} (saved, now)")
@@ -459,7 +471,8 @@ def main(cfg: TrainConfig) -> dict:
                     log.record("kernels", kernels.choices())  # the backends the compiled step uses, per op
                 t_aside = time.perf_counter()
                 if eval_now:
-                    val_loss = row["eval/loss"] = evaluate(eval_step, state["params"], val, mesh)
+                    row |= evaluate_sets(eval_step, state["params"], evals, mesh)  # eval/loss, eval/<name>/loss, .../bpb
+                    val_loss = row["eval/loss"]
                 clock["aside"] += time.perf_counter() - t_aside
                 if log_now or eval_now:  # logged before the save: a checkpoint's step always has its row
                     if step > clock["step"]:
