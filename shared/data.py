@@ -87,6 +87,7 @@ class DataConfig:
                f"must be '' or a tokenizer .json file, got {self.tokenizer!r}")
         _check(0.0 < self.val_fraction < 1.0, "val_fraction", f"must be in (0, 1), got {self.val_fraction}")
         _check(self.max_bytes >= 0, "max_bytes", f"must be >= 0 (0 = no cap), got {self.max_bytes}")
+        _check("\0" not in self.cache_dir, "cache_dir", "contains a NUL byte")
         _check(not (self.cache_dir and os.path.isfile(os.path.expanduser(self.cache_dir))), "cache_dir",
                f"{self.cache_dir!r} is a file, not a directory")
         _check(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")

@@ -30,6 +30,7 @@ import importlib
 import math
 import os
 import re
+import typing
 
 import draccus
 import jax
@@ -108,13 +109,12 @@ def test_exports(variant):
 # Values every check should catch, by declared type: a field whose every candidate is accepted has no
 # check. Wrong types are tried only for bools (any other field must check its range, not only its type).
 BAD_VALUES = {int: (-1, 0, -(10**9), 10**18), float: (-1.0, float("nan"), float("inf"), 0.0, 1.5, 1e9),
-              str: ("", "no-such-choice", "\0"), bool: ("yes", 2)}
+              str: ("", "no-such-choice", "\0"), bool: ("yes", 2),
+              dict: ({"no-such-name": -1.0}, {"no-such-name": float("nan")}, "not-a-mapping")}
 
 
 def config_fields(cls, prefix=""):
     """(dataclass, field name, declared type, dotted name) of every leaf field, nested configs included."""
-    import typing
-
     for name, tp in typing.get_type_hints(cls).items():
         if dataclasses.is_dataclass(tp):
             yield from config_fields(tp, f"{prefix}{name}.")
@@ -131,7 +131,7 @@ def test_every_config_field_rejects_a_bad_value(variant):
     unchecked, unnamed = [], []
     for cls, name, tp, dotted in config_fields(train.TrainConfig):
         caught = False
-        for bad in BAD_VALUES[tp]:
+        for bad in BAD_VALUES.get(tp) or BAD_VALUES[typing.get_origin(tp) or tp]:
             try:
                 cls(**{name: bad})
             except Exception as e:  # noqa: BLE001 - any refusal counts, if it names the field
