@@ -5,8 +5,11 @@
 
 Inside `srun`, shared/distributed.py hands start-up to JAX's SLURM detection (coordinator
 = first node of the step, port from the job id; process id = SLURM_PROCID). One task per
-node sees all of its GPUs through JAX_LOCAL_DEVICE_IDS. Written for a generic SLURM site;
-not run on a real cluster here.
+node sees all of its GPUs through JAX_LOCAL_DEVICE_IDS (or, with --tasks-per-node equal to
+--gpus-per-node, each task gets the GPU of its SLURM_LOCALID from JAX); on CPU nodes,
+--tasks-per-node N --cpu-devices K runs N processes with K XLA CPU devices each. Written for a
+generic SLURM site. tests/test_slurm.py runs it on a real single-node SLURM (CPU: 2 tasks x 4
+devices, a preemption with requeue and resume, a task killed); the GPU lines are UNVERIFIED.
 
 Preemption and requeue (launch/README.md): `#SBATCH --signal=USR1@<--signal-lead>` makes SLURM
 send SIGUSR1 to every task that long before the time limit; train.py finishes its step, saves
@@ -35,7 +38,8 @@ def script(args: argparse.Namespace) -> str:
         cmd += ["--run_dir", f"runs/{args.variant}-$SLURM_JOB_ID"]
     run_dir = flag_value(cmd, "--run_dir")
     lines = ["#!/bin/bash", f"#SBATCH --job-name=stencil-{args.variant}", f"#SBATCH --nodes={args.nodes}",
-             "#SBATCH --ntasks-per-node=1", f"#SBATCH --time={args.time}", "#SBATCH --output=slurm-%j.out",
+             f"#SBATCH --ntasks-per-node={args.tasks_per_node}", f"#SBATCH --time={args.time}",
+             "#SBATCH --output=slurm-%j.out",
              "#SBATCH --open-mode=append",  # a requeued job keeps its earlier output (a hang's stacks)
              "#SBATCH --requeue", f"#SBATCH --signal=USR1@{args.signal_lead}"]
     if args.gpus_per_node:
@@ -46,8 +50,12 @@ def script(args: argparse.Namespace) -> str:
         if getattr(args, flag):
             lines.append(f"#SBATCH --{flag}={getattr(args, flag)}")
     lines += ["", "set -euo pipefail", f"cd {shell([args.workdir])}"]
-    if args.gpus_per_node:
+    if args.gpus_per_node and args.tasks_per_node == 1:  # one task sees all of its node's GPUs
         lines.append("export JAX_LOCAL_DEVICE_IDS=" + ",".join(str(i) for i in range(args.gpus_per_node)))
+    # (a task per GPU: JAX gives task SLURM_LOCALID its GPU by itself)
+    if args.cpu_devices:  # the last --xla_force_host_platform_device_count wins
+        lines += ["export JAX_PLATFORMS=cpu",
+                  f'export XLA_FLAGS="${{XLA_FLAGS:-}} --xla_force_host_platform_device_count={args.cpu_devices}"']
     lines += [
         "export STENCIL_INIT_TIMEOUT=${STENCIL_INIT_TIMEOUT:-600}",
         "",
@@ -82,18 +90,52 @@ def script(args: argparse.Namespace) -> str:
         ' -- --run_dir $RUN_DIR" >&2',
         '      exit "$rc"',
         "    fi ;;",
-        '  *) echo "stencil: train.py failed (exit $rc); not requeued" >&2; exit "$rc" ;;',
+        '  *) why=""',
+        # srun exits 128+n when a task was killed by signal n; its own "task N: Killed" line names the task
+        '     if [ "$rc" -gt 128 ]; then why=": a task was killed by SIG$(kill -l $((rc - 128)) 2>/dev/null || echo '
+        '$((rc - 128))) (the out-of-memory killer, a node problem, or by hand); srun\'s lines above name it"; fi',
+        '     echo "stencil: train.py failed (exit $rc$why); not requeued" >&2; exit "$rc" ;;',
         "esac",
         ""]
     return "\n".join(lines)
 
 
+def time_limit_s(text: str) -> int | None:
+    """sbatch --time in seconds (0 = no limit), or None if sbatch would not read it."""
+    t = text.strip().lower()
+    if t in ("unlimited", "infinite", "-1"):
+        return 0
+    days, dash, rest = t.partition("-") if "-" in t else ("", "", t)
+    if dash and not days:
+        return None
+    try:
+        d = int(days) if days else 0
+        parts = [int(x) for x in rest.split(":")]
+    except ValueError:
+        return None
+    if d < 0 or any(x < 0 for x in parts) or not 1 <= len(parts) <= 3:
+        return None
+    if days:  # D-H, D-H:M, D-H:M:S
+        h, m, s = (parts + [0, 0])[:3]
+    elif len(parts) == 3:
+        h, m, s = parts
+    else:  # M or M:S
+        h, (m, s) = 0, (parts + [0])[:2]
+    return ((d * 24 + h) * 60 + m) * 60 + s
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--tasks-per-node", type=int, default=1,
+                   help="processes per node (default 1: one process sees all of its node's GPUs); with GPUs, 1 or "
+                        "--gpus-per-node (a process per GPU)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="0 = CPU nodes")
+    p.add_argument("--cpu-devices", type=int, default=0,
+                   help="with --gpus-per-node 0: this many XLA CPU devices per process (JAX_PLATFORMS=cpu); "
+                        "0 = JAX's default (one)")
     p.add_argument("--cpus-per-task", type=int, default=0)
-    p.add_argument("--time", default="24:00:00")
+    p.add_argument("--time", default="24:00:00", help="the job's time limit, in sbatch's --time format")
     p.add_argument("--signal-lead", type=int, default=180,
                    help="seconds before the time limit at which every task gets SIGUSR1 (train.py saves and exits "
                         "75): more than one step plus one checkpoint save (default 180)")
@@ -109,6 +151,22 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not 1 <= args.signal_lead <= 65535:  # SLURM's limit for --signal's time
         p.error(f"--signal-lead must be 1..65535 seconds, got {args.signal_lead}")
+    limit = time_limit_s(args.time)
+    if limit is None:
+        p.error(f"--time {args.time!r} is not in a format sbatch reads: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S, "
+                "or UNLIMITED")
+    if limit and args.signal_lead >= limit:
+        p.error(f"--signal-lead {args.signal_lead} s is not shorter than --time {args.time} ({limit} s): the "
+                "preemption signal would come at the start")
+    if args.nodes < 1 or args.tasks_per_node < 1:
+        p.error(f"--nodes and --tasks-per-node must be >= 1, got {args.nodes} and {args.tasks_per_node}")
+    if args.gpus_per_node < 0 or args.cpu_devices < 0 or args.cpus_per_task < 0:
+        p.error("--gpus-per-node, --cpu-devices and --cpus-per-task must be >= 0")
+    if args.gpus_per_node and args.tasks_per_node not in (1, args.gpus_per_node):
+        p.error(f"--tasks-per-node {args.tasks_per_node} with --gpus-per-node {args.gpus_per_node}: use 1 (a "
+                f"process sees every GPU of its node) or {args.gpus_per_node} (a process per GPU)")
+    if args.gpus_per_node and args.cpu_devices:
+        p.error("--cpu-devices is for CPU nodes (--gpus-per-node 0)")
     if args.max_requeues < 0:
         p.error(f"--max-requeues must be >= 0, got {args.max_requeues}")
     return write_output(script(args), args.output, "submit with: sbatch")

@@ -4,6 +4,7 @@ and failures that stop the whole run instead of hanging it."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -220,6 +221,29 @@ def test_slurm_script(capsys):
             slurm.main(["--", *flag])
 
 
+
+def test_slurm_script_tasks_devices_and_time(capsys):
+    """Several tasks per node (CPU processes with their own XLA devices, or a task per GPU), and the
+    options checked against each other before any script is written."""
+    lines = _run(slurm, ["--nodes", "1", "--tasks-per-node", "2", "--gpus-per-node", "0", "--cpu-devices", "4",
+                         "--time", "30", *OVER], capsys).splitlines()
+    assert "#SBATCH --ntasks-per-node=2" in lines and "#SBATCH --time=30" in lines
+    assert 'export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=4"' in lines
+    assert "export JAX_PLATFORMS=cpu" in lines and not any("GPU" in ln or "gpus" in ln for ln in lines)
+    lines = _run(slurm, ["--tasks-per-node", "8", "--gpus-per-node", "8", *OVER], capsys).splitlines()
+    assert "#SBATCH --ntasks-per-node=8" in lines  # a task per GPU: JAX maps SLURM_LOCALID to its GPU
+    assert not any("JAX_LOCAL_DEVICE_IDS" in ln or "XLA_FLAGS" in ln for ln in lines)
+    assert [slurm.time_limit_s(t) for t in ("30", "30:15", "2:00:00", "1-0", "1-2:30", "1-0:0:5", "UNLIMITED")] == \
+        [1800, 1815, 7200, 86400, 95400, 86405, 0]
+    for bad, why in ((["--tasks-per-node", "3"], "use 1 .* or 8"), (["--cpu-devices", "4"], "for CPU nodes"),
+                     (["--time", "2"], "not shorter than --time 2"), (["--time", "1:2:3:4"], "not in a format"),
+                     (["--time", "-5"], "not in a format"), (["--tasks-per-node", "0"], "must be >= 1"),
+                     (["--gpus-per-node", "0", "--cpu-devices", "-1"], "must be >= 0")):
+        with pytest.raises(SystemExit):
+            slurm.main(bad)
+        assert re.search(why, capsys.readouterr().err), bad
+
+
 def _stubs(tmp_path, names):
     """Executables in a folder of their own that append their argv (one line, space-joined) to
     <tmp>/<name>.calls and exit with $<NAME>_RC (0 if unset)."""
@@ -274,7 +298,8 @@ def test_slurm_script_requeues_on_75_and_70_only(tmp_path, capsys):
         lock.write_text("{}")
         r, srun, scontrol = run(rc)
         assert r.returncode == rc and scontrol == [], (rc, r.stderr)
-        assert f"train.py failed (exit {rc}); not requeued" in r.stderr
+        why = ": a task was killed by SIGKILL" if rc == 137 else ")"  # srun's 128 + n: a task died of signal n
+        assert f"train.py failed (exit {rc}{why}" in r.stderr and "not requeued" in r.stderr
         assert lock.exists()  # maybe another run's (a refused second run exits 1)
     run(70)
     assert not lock.exists()  # left by an abort of this job's process 0, which has exited
@@ -336,27 +361,9 @@ def test_k8s_command_resumes_from_a_checkpoint(tmp_path, capsys):
     job = docs[1]["spec"]
     assert job["template"]["spec"]["terminationGracePeriodSeconds"] == 900 and job["backoffLimit"] == 2
     [c] = job["template"]["spec"]["containers"]
+    assert c["command"][:2] == ["/bin/sh", "-c"]
     run_dir = tmp_path / "data" / "r x"
-    script = c["command"][2].replace("/data/r x", str(run_dir))
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python").write_text('#!/bin/sh\necho "$$ $*"\n')
-    (bin_dir / "python").chmod(0o755)
-    env = dict(os.environ, PATH=str(bin_dir) + os.pathsep + os.environ["PATH"])
-
-    def run():
-        p = subprocess.Popen([*c["command"][:2], script], env=env, cwd=tmp_path, stdout=subprocess.PIPE, text=True)
-        out, _ = p.communicate(timeout=30)
-        pid, args = out.strip().split(" ", 1)
-        assert p.returncode == 0 and int(pid) == p.pid  # exec: python has the shell's pid
-        return args
-
-    want = f"variants/dense/train.py --steps 10 --run_dir {run_dir}"
-    assert run() == want
-    (run_dir / "checkpoints" / "step_00000004.tmp").mkdir(parents=True)
-    assert run() == want
-    (run_dir / "checkpoints" / "step_00000003").mkdir()
-    assert run() == want + " --resume true"
+    _resumes(c["command"][2].replace("/data/r x", str(run_dir)), run_dir, tmp_path)
     for bad in (["--grace-period", "0"], ["--max-hung-restarts", "-1"]):
         with pytest.raises(SystemExit):
             k8s.main(["--image", "i", *bad])
@@ -366,12 +373,55 @@ def test_k8s_command_resumes_from_a_checkpoint(tmp_path, capsys):
 
 def test_skypilot_task(capsys):
     t = yaml.safe_load(_run(skypilot, ["--nodes", "3", "--accelerators", "H100:8", "--variant", "dense",
-                                       "--preset", "125m", *OVER], capsys))
-    assert t["num_nodes"] == 3 and t["resources"]["accelerators"] == "H100:8"
+                                       "--preset", "125m", "--use-spot", *OVER], capsys))
+    assert t["num_nodes"] == 3 and t["resources"]["accelerators"] == "H100:8" and t["resources"]["use_spot"]
+    assert t["resources"]["job_recovery"] == {"max_restarts_on_errors": 3, "recover_on_exit_codes": [75]}
     assert t["workdir"] and "pip install" in t["setup"]
     lines = t["run"].splitlines()
-    assert "python " + " ".join(TRAIN) in lines
+    assert "exec python " + " ".join(TRAIN) + ' --run_dir runs/stencil-dense "$@"' in lines
     assert any("STENCIL_PROCESS_ID=\"$SKYPILOT_NODE_RANK\"" in ln for ln in lines)
+    for bad in (["--max-restarts-on-errors", "-1"], ["--", "--resume", "true"]):
+        with pytest.raises(SystemExit):
+            skypilot.main(bad)
+
+
+def _resumes(script: str, run_dir, tmp_path, shell: str = "/bin/sh", **env) -> None:
+    """Run a generated shell line with `python` / `python3` stubbed: no --resume while the run dir holds
+    no finished checkpoint, --resume true once it does, and python replaces the shell (exec), so it
+    gets the signals a stopping machine sends."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name in ("python", "python3"):
+        (bin_dir / name).write_text('#!/bin/sh\necho "$$ $*"\n')
+        (bin_dir / name).chmod(0o755)
+    env = dict(os.environ, PATH=str(bin_dir) + os.pathsep + os.environ["PATH"], **env)
+
+    def run():
+        p = subprocess.Popen([shell, "-c", script], env=env, cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+        out, _ = p.communicate(timeout=30)
+        pid, args = out.strip().split(" ", 1)
+        assert p.returncode == 0 and int(pid) == p.pid, out  # exec: python has the shell's pid
+        return args
+
+    first = run()
+    assert first.startswith("variants/dense/train.py ") and first.endswith(f" --run_dir {run_dir}"), first
+    (run_dir / "checkpoints" / "step_00000004.tmp").mkdir(parents=True)  # an unfinished save
+    assert run() == first
+    (run_dir / "checkpoints" / "step_00000003").mkdir()
+    assert run() == first + " --resume true"
+
+
+def test_skypilot_and_tpu_lines_resume_from_a_checkpoint(tmp_path, capsys):
+    t = yaml.safe_load(_run(skypilot, ["--", "--steps", "10", "--run_dir", str(tmp_path / "sky")], capsys))
+    _resumes(t["run"], tmp_path / "sky", tmp_path, shell="bash", SKYPILOT_NODE_IPS="10.0.0.1\n10.0.0.2",
+             SKYPILOT_NUM_NODES="2", SKYPILOT_NODE_RANK="1")
+    import shlex
+
+    argv = shlex.split(_run(tpu_vm, ["--name", "v5p", "--zone", "z", "--workdir", str(tmp_path), "--",
+                                     "--steps", "10", "--run_dir", str(tmp_path / "tpu")], capsys))
+    _resumes(argv[10], tmp_path / "tpu", tmp_path)
+    with pytest.raises(SystemExit, match="adds --resume true itself"):
+        tpu_vm.main(["--name", "v5p", "--zone", "z", "--", "--resume_from", "3"])
 
 
 def test_tpu_vm_command(capsys):
@@ -382,7 +432,7 @@ def test_tpu_vm_command(capsys):
     argv = shlex.split(out)
     assert argv[:9] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "v5p", "--zone", "us-east5-a", "--worker=all"]
     assert argv[9] == "--command"
-    assert "STENCIL_DISTRIBUTED=auto python3 " + " ".join(TRAIN) in argv[10]
+    assert "STENCIL_DISTRIBUTED=auto exec python3 " + " ".join(TRAIN) + ' --run_dir runs/v5p "$@"' in argv[10]
 
 
 def test_generators_reject_unknown_variant_and_preset():
