@@ -47,13 +47,16 @@ def sub_env(**extra):
     env = dict(os.environ, WANDB_MODE="disabled", JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     for k in ("STENCIL_COORDINATOR", "STENCIL_NUM_PROCESSES", "STENCIL_PROCESS_ID", "STENCIL_DISTRIBUTED"):
         env.pop(k, None)
+    # no persistent compilation cache: with one, only process 0 writes entries (jax 0.10), so process 1
+    # compiles alone while process 0 waits in a collective, past gloo's fixed 30 s on a busy machine
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
     env.update(extra)  # STENCIL_CACHE: conftest's session tmp dir, so the tokenizer is the in-process one
     return env
 
 
 def losses(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return {r["step"]: r["loss"] for r in map(json.loads, f)}
+        return {r["step"]: r["train/loss"] for r in map(json.loads, f)}
 
 
 def test_two_processes_then_resume_on_one(small_corpus, tmp_path):
