@@ -1,7 +1,7 @@
 """Train steps with the optimizers of shared/optim.py: a folder's CPU default model, 10 steps on one fixed
 batch of 4 rows of 32 tokens on one device; the loss falls. Every folder with MuonH (Newton-Schulz on all
-its matrices: low-rank, experts; the hyperball; AdamW on the rest), dense and moe_hero with every optimizer
-(AdamW on every folder is the contract test's default). And the weights' moving average."""
+its matrices: low-rank, experts; the hyperball; AdamW on the rest), dense and moe_hero with Muon and AdamH
+too (AdamW, the default, trains every folder in the contract test). And the weights' moving average."""
 
 import dataclasses
 import os
@@ -38,7 +38,7 @@ def steps(folder, name, n=10, **over):
 
 
 CASES = sorted({(f, "muonh") for f in FOLDERS} | {(f, n) for f in ("variants/dense", "variants/moe_hero")
-                                                  for n in optim.OPTIMIZERS})
+                                                  for n in ("muon", "adamh")})
 
 
 @pytest.mark.parametrize("folder,name", CASES)
@@ -50,10 +50,12 @@ def test_loss_falls(folder, name):
 
 def test_ema_is_kept_and_evaluated():
     """optim.ema > 0: the state holds the average, eval_params returns it, and it lags the weights."""
-    losses, state, train = steps("variants/dense", "adamw", n=3, optim=optim.OptimConfig(ema=0.5))
+    _, state, train = steps("variants/dense", "adamw", n=3, optim=optim.OptimConfig(ema=0.5))
     assert "ema" in state and train.eval_params(state) is state["ema"]
     p, e = state["params"]["layers"]["wq"], state["ema"]["layers"]["wq"]
     assert not np.allclose(np.asarray(p), np.asarray(e))
-    _, off, _ = steps("variants/dense", "adamw", n=3)
+    cfg = train.TrainConfig(steps=3, wandb="disabled")
+    with jax.set_mesh(train.make_mesh(cfg, jax.devices()[:1])):
+        off = jax.eval_shape(lambda k: train.init_state(cfg, train.make_optimizer(cfg)[0], k), jax.random.key(0))
     assert "ema" not in off and train.eval_params(off) is off["params"]
     assert dataclasses.asdict(train.TrainConfig())["optim"]["ema"] == 0.0
