@@ -33,7 +33,6 @@ so a checkpoint restores onto any mesh shape or device count.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re

@@ -40,7 +40,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shared import cli, kernels, memory
+from shared import cli, kernels, memory, weights
 from shared.variant import ROOT, discover, load
 
 VARIANTS = discover()
@@ -52,8 +52,8 @@ def modules(variant):
 
 # Every name main() and these tests use. A variant missing one fails test_exports, listing them all.
 EXPORTS = {
-    "model": ("COPIED_FROM", "ConfigError", "ModelConfig", "check", "init", "param_specs", "forward", "loss_fn",
-              "num_params", "flops_per_token"),
+    "model": ("COPIED_FROM", "ConfigError", "ModelConfig", "check", "weights", "init", "param_specs", "forward",
+              "loss_fn", "num_params", "flops_per_token"),
     "train": ("TrainConfig", "CONTRACT_TINY", "make_mesh", "make_optimizer", "init_state", "make_train_step",
               "make_eval_step", "batch_spec", "to_device", "main"),
 }
@@ -200,6 +200,31 @@ def test_param_specs_match_params(variant):
             got = x.sharding.spec
             assert tuple(got) + (None,) * (x.ndim - len(got)) == tuple(spec), \
                 f"{variant}: init places {name} as {got}, param_specs says {spec}"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_weight_has_a_role(variant):
+    """model.weights declares every leaf of init once (shared/weights.py), with a role; a matrix role has
+    exactly two non-batch axes (fan_in, fan_out), an expert_matrix an expert axis besides, other roles none."""
+    model, train = modules(variant)
+    cfg = tiny(train)
+    decl = model.weights(cfg.model)
+    with jax.set_mesh(train.make_mesh(cfg)):
+        params = jax.eval_shape(lambda k: model.init(cfg.model, k), jax.random.key(0))
+    assert jax.tree.structure(params) == jax.tree.structure(decl, is_leaf=weights.is_weight), \
+        f"{variant}: model.weights does not declare exactly the leaves of init"
+    for (path, x), w in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                            jax.tree.leaves(decl, is_leaf=weights.is_weight)):
+        name = jax.tree_util.keystr(path)
+        assert isinstance(w, weights.Weight) and w.role in weights.ROLES, f"{variant}: {name} has no known role"
+        assert tuple(w.shape) == x.shape, f"{variant}: {name} declared {w.shape}, init gives {x.shape}"
+        fans = {a % x.ndim for a in (w.fan_in, w.fan_out) if a is not None}
+        if w.role in weights.MATRIX_ROLES:
+            assert len(fans) == 2 and x.ndim - len(w.batch_axes()) == 2, f"{variant}: {name} ({w.role}) needs two fan axes"
+        else:
+            assert not fans, f"{variant}: {name} ({w.role}) is not a matrix but declares fan axes"
+        if w.role == "expert_matrix":
+            assert w.batch_axes(), f"{variant}: {name} is an expert_matrix without an expert axis"
 
 
 # XLA:CPU's LLVM optimisation level 0 for every program compiled here: about 2.5x faster to

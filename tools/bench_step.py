@@ -102,14 +102,24 @@ def plain_loss(params, batch, mc):
     return loss
 
 
-def plain_step(tc, warmup: int):
-    """The plainest train step for dense: value_and_grad, optax AdamW with clipping, no accumulation.
-    `warmup`: the warmup steps the variant's train.py resolves from tc (`train.warmup(tc)`)."""
+def plain_optimizer(tc, warmup: int):
+    """optax AdamW with clipping, weight decay on every weight but the norms (dense's roles: matrices,
+    embeddings decayed; norms not). `warmup`: the warmup steps train.py resolves (`train.warmup(tc)`)."""
     schedule = optax.warmup_cosine_decay_schedule(0.0, tc.lr, warmup, tc.steps, tc.lr * tc.min_lr_ratio)
     decay = lambda ps: jax.tree_util.tree_map_with_path(lambda p, _: "norm" not in jax.tree_util.keystr(p), ps)  # noqa: E731
     opt = optax.adamw(schedule, tc.beta1, tc.beta2, weight_decay=tc.weight_decay, mask=decay)
-    if tc.grad_clip > 0:
-        opt = optax.chain(optax.clip_by_global_norm(tc.grad_clip), opt)
+    return optax.chain(optax.clip_by_global_norm(tc.grad_clip), opt) if tc.grad_clip > 0 else opt
+
+
+def plain_state(tc, warmup: int, params):
+    """B's state on one plain device: the weights and plain_optimizer's state."""
+    params = unsharded(params)
+    return {"params": params, "opt": plain_optimizer(tc, warmup).init(params), "step": jnp.zeros((), jnp.int32)}
+
+
+def plain_step(tc, warmup: int):
+    """The plainest train step for dense: value_and_grad, optax AdamW with clipping, no accumulation."""
+    opt = plain_optimizer(tc, warmup)
 
     def step(state, batch):
         loss, g = jax.value_and_grad(plain_loss)(state["params"], batch, tc.model)
@@ -149,7 +159,7 @@ def check_same(train, tc, params, batch, dev_batch, accum_batch, mesh):
     opt, sched = train.make_optimizer(tc)
     sa = {"params": params, "opt": opt.init(params), "step": jnp.zeros((), jnp.int32)}
     sa = jax.tree.map(jnp.copy, sa)
-    sb = unsharded(sa)
+    sb = plain_state(tc, train.warmup(tc), params)
     sa, _ = train.make_train_step(tc, opt, sched)(sa, accum_batch)
     sb, _ = plain_step(tc, train.warmup(tc))(sb, batch)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(sa["params"])[0], jax.tree.leaves(sb["params"])):
@@ -246,7 +256,8 @@ def main(argv=None):
                 "A' variant step, again": (train.make_train_step(tc, opt, sched), accum)}
         if reference:
             arms["B  plain JAX step"] = (plain_step(tc, train.warmup(tc)), plain_batch)
-        states = {name: unsharded(state0) if name.startswith("B") else jax.tree.map(jnp.copy, state0) for name in arms}
+        states = {name: plain_state(tc, train.warmup(tc), state0["params"]) if name.startswith("B")
+                  else jax.tree.map(jnp.copy, state0) for name in arms}
         for name, (step, b) in arms.items():  # compile + warm up
             states[name], _, _ = time_arm(step, states[name], b, 2)
         wall = {n: [] for n in arms}

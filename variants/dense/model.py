@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import typing
-import zlib
 from dataclasses import dataclass
 
 import jax
@@ -22,6 +21,8 @@ from jax.sharding import PartitionSpec as P
 from jax.sharding import reshard
 
 from shared import flops, kernels
+from shared import weights as weights_lib
+from shared.weights import Weight, normal, ones
 
 COPIED_FROM = "templates/base"
 
@@ -91,56 +92,48 @@ class ModelConfig:
 
 # ---------------------------------------------------------------- parameters
 
-def param_shapes(cfg: ModelConfig) -> dict:
+def weights(cfg: ModelConfig) -> dict:
+    """Every weight, declared once: shape, PartitionSpec, role, init, and for matrices the fan-in and
+    fan-out axes (shared/weights.py; the leading layer axis is a batch axis). `data` shards the
+    d_model side (FSDP), `model` the width side. Matrices Normal(0, init_std), the projections back
+    into the residual scaled by 1/sqrt(2 n_layers); norms start at 1."""
     D, L, F, V = cfg.d_model, cfg.n_layers, cfg.d_ff, cfg.vocab_size
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    shapes = {
-        "embed": (V, D),
+    col, row, rep = P(None, "data", "model"), P(None, "model", "data"), P(None, None)
+    std, out_std = normal(cfg.init_std), normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+    decl = {
+        "embed": Weight((V, D), P("model", "data"), "embedding", std, fan_in=0, fan_out=1),
         "layers": {
-            "attn_norm": (L, D), "wq": (L, D, q), "wk": (L, D, kv), "wv": (L, D, kv), "wo": (L, q, D),
-            "mlp_norm": (L, D), "w_gate": (L, D, F), "w_up": (L, D, F), "w_down": (L, F, D),
+            "attn_norm": Weight((L, D), rep, "norm", ones),
+            "wq": Weight((L, D, q), col, "matrix", std, fan_in=1, fan_out=2),
+            "wk": Weight((L, D, kv), col, "matrix", std, fan_in=1, fan_out=2),
+            "wv": Weight((L, D, kv), col, "matrix", std, fan_in=1, fan_out=2),
+            "wo": Weight((L, q, D), row, "matrix", out_std, fan_in=1, fan_out=2),
+            "mlp_norm": Weight((L, D), rep, "norm", ones),
+            "w_gate": Weight((L, D, F), col, "matrix", std, fan_in=1, fan_out=2),
+            "w_up": Weight((L, D, F), col, "matrix", std, fan_in=1, fan_out=2),
+            "w_down": Weight((L, F, D), row, "matrix", out_std, fan_in=1, fan_out=2),
         },
-        "final_norm": (D,),
+        "final_norm": Weight((D,), P(None), "norm", ones),
     }
     if not cfg.tie_embeddings:
-        shapes["unembed"] = (D, V)
-    return shapes
+        decl["unembed"] = Weight((D, V), P("data", "model"), "unembedding", std, fan_in=0, fan_out=1)
+    return decl
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    return weights_lib.shapes(weights(cfg))
 
 
 def param_specs(cfg: ModelConfig) -> dict:
-    """PartitionSpec per leaf: `data` shards the d_model side (FSDP), `model` the width side."""
-    col, row, rep = P(None, "data", "model"), P(None, "model", "data"), P(None, None)
-    specs = {
-        "embed": P("model", "data"),
-        "layers": {
-            "attn_norm": rep, "wq": col, "wk": col, "wv": col, "wo": row,
-            "mlp_norm": rep, "w_gate": col, "w_up": col, "w_down": row,
-        },
-        "final_norm": P(None),
-    }
-    if not cfg.tie_embeddings:
-        specs["unembed"] = P("data", "model")
-    return specs
+    """PartitionSpec per leaf, from `weights`."""
+    return weights_lib.specs(weights(cfg))
 
 
 def init(cfg: ModelConfig, key) -> dict:
-    """Normal(0, init_std) matrices, output projections scaled by 1/sqrt(2 n_layers), unit norms."""
-    shapes, specs = param_shapes(cfg), param_specs(cfg)
-    dtype = jnp.dtype(cfg.param_dtype)
-    flat, treedef = jax.tree.flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
-    names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
-        shapes, is_leaf=lambda s: isinstance(s, tuple))[0]]
-    # each weight's key from its name (not its place in the tree): a copy that adds weights starts
-    # the ones it shares with its parent from the same values at the same seed
-    keys = [jax.random.fold_in(key, zlib.crc32(name.encode())) for name in names]
-    leaves = []
-    for name, shape, k, spec in zip(names, flat, keys, jax.tree.leaves(specs)):
-        if "norm" in name:
-            leaves.append(jnp.ones(shape, dtype, out_sharding=spec))
-            continue
-        std = cfg.init_std / (2 * cfg.n_layers) ** 0.5 if ("wo" in name or "w_down" in name) else cfg.init_std
-        leaves.append(std * jax.random.normal(k, shape, dtype, out_sharding=spec))
-    return jax.tree.unflatten(treedef, leaves)
+    """Each weight by its declared init, from a key derived from its name (not its place in the tree):
+    a copy that adds weights starts the ones it shares with its parent from the same values."""
+    return weights_lib.init_params(weights(cfg), key, cfg.param_dtype)
 
 
 def num_params(cfg: ModelConfig) -> int:

@@ -27,7 +27,7 @@ import optax  # noqa: E402
 from jax.sharding import AbstractMesh, AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from shared import checkpoint, cli, data, distributed, flops, guard, kernels, metrics  # noqa: E402
+from shared import checkpoint, cli, data, distributed, flops, guard, kernels, metrics, optim  # noqa: E402
 from shared.variant import sibling  # noqa: E402
 
 model = sibling(__file__, "model")
@@ -45,10 +45,12 @@ class TrainConfig:
     grad_accum: int = 1  # micro-batches per step (batch_size must divide)
     steps: int = 220  # optimizer steps of the whole run (sets the schedule)
     stop_at: int = 0  # stop early after this step with a checkpoint (time-limited jobs); 0 = run to `steps`
+    optimizer: str = "adamw"  # adamw | muon | muonh | adamh (shared/optim.py: which weights each updates how)
+    optim: optim.OptimConfig = field(default_factory=optim.OptimConfig)  # schedule, lr_mult, ema, Muon's settings
     lr: float = 3e-3  # peak learning rate
-    min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio (cosine decay)
+    min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio (end of the cosine or WSD decay)
     warmup_steps: int = -1  # linear warmup steps, in [0, steps); -1 = min(20, steps // 10)
-    weight_decay: float = 0.1  # on matrices only, not norms
+    weight_decay: float = 0.1  # decoupled, on the roles optim.DECAY_ROLES (matrices, embeddings), never norms
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0  # global-norm clipping; 0 = off
@@ -87,6 +89,8 @@ class TrainConfig:
         for name in ("beta1", "beta2"):
             check(0 <= getattr(self, name) < 1, name, f"must be in [0, 1), got {getattr(self, name)}")
         check(self.grad_clip >= 0, "grad_clip", f"must be >= 0 (0 = off), got {self.grad_clip}")
+        check(self.optimizer in optim.OPTIMIZERS, "optimizer", f"must be one of {optim.OPTIMIZERS}, got {self.optimizer!r}")
+        optim.make_schedule(self.optim, self.lr, self.steps, warmup(self), self.min_lr_ratio)  # a WSD decay overlapping the warmup
         check(self.mesh_model > 0, "mesh_model", f"must be positive, got {self.mesh_model}")
         check(self.mesh_data == -1 or self.mesh_data > 0, "mesh_data", f"must be -1 or positive, got {self.mesh_data}")
         for name in ("eval_every", "save_every", "sample_every", "sample_tokens", "watchdog_s", "seed"):
@@ -155,17 +159,25 @@ def warmup(cfg: TrainConfig) -> int:
 
 
 def make_optimizer(cfg: TrainConfig):
-    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup(cfg), cfg.steps, cfg.lr * cfg.min_lr_ratio)
-    decay = lambda params: jax.tree_util.tree_map_with_path(  # noqa: E731
-        lambda path, _: "norm" not in jax.tree_util.keystr(path), params)
-    adamw = optax.adamw(schedule, cfg.beta1, cfg.beta2, weight_decay=cfg.weight_decay, mask=decay)
-    opt = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw) if cfg.grad_clip > 0 else adamw
-    return opt, schedule
+    """(optimizer, schedule): `cfg.optimizer` over the roles of model.weights (shared/optim.py)."""
+    return optim.make(model.weights(cfg.model), cfg.optimizer, cfg.optim, lr=cfg.lr, steps=cfg.steps,
+                      warmup=warmup(cfg), min_lr_ratio=cfg.min_lr_ratio, weight_decay=cfg.weight_decay,
+                      b1=cfg.beta1, b2=cfg.beta2, grad_clip=cfg.grad_clip)
 
 
 def init_state(cfg: TrainConfig, optimizer, key):
+    """params, optimizer state (leaves sharded like the weights), step; and the weights' moving
+    average `ema` when optim.ema > 0."""
     params = model.init(cfg.model, key)
-    return {"params": params, "opt": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
+    state = {"params": params, "opt": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
+    if cfg.optim.ema > 0:
+        state["ema"] = jax.tree.map(jnp.copy, params)
+    return state
+
+
+def eval_params(state):
+    """The weights evaluation uses: the moving average when it is kept, else the weights."""
+    return state.get("ema", state["params"])
 
 
 def make_train_step(cfg: TrainConfig, optimizer, schedule):
@@ -184,6 +196,8 @@ def make_train_step(cfg: TrainConfig, optimizer, schedule):
         grads, ms = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, params), batch)
         updates, opt = optimizer.update(grads, state["opt"], params)
         new = {"params": optax.apply_updates(params, updates), "opt": opt, "step": state["step"] + 1}
+        if "ema" in state:
+            new["ema"] = optim.ema_update(state["ema"], new["params"], cfg.optim.ema)
         # every per-token metric of loss_fn (loss, z, and whatever a variant adds), token-weighted over
         # the micro-batches; the loop logs every key of `out` as it is
         out = {f"train/{k}": jnp.sum(v * ms["tokens"]) / total for k, v in ms.items() if k != "tokens"}
@@ -420,7 +434,7 @@ def main(cfg: TrainConfig) -> dict:
                     log.record("kernels", kernels.choices())  # the backends the compiled step uses, per op
                 t_aside = time.perf_counter()
                 if eval_now:
-                    row |= evaluate_sets(eval_step, state["params"], evals, mesh)  # eval/loss, eval/<name>/loss, .../bpb
+                    row |= evaluate_sets(eval_step, eval_params(state), evals, mesh)  # eval/loss, eval/<name>/loss, .../bpb
                     val_loss = row["eval/loss"]
                 clock["aside"] += time.perf_counter() - t_aside
                 if log_now or eval_now:  # logged before the save: a checkpoint's step always has its row
@@ -460,5 +474,5 @@ if __name__ == "__main__":
     except Preempted as e:
         print(e, file=sys.stderr)
         sys.exit(guard.EXIT_PREEMPTED)
-    except (model.ConfigError, data.DataError, TrainingError, checkpoint.CheckpointError, guard.RunLockError) as e:
+    except (model.ConfigError, optim.OptimError, data.DataError, TrainingError, checkpoint.CheckpointError, guard.RunLockError) as e:
         sys.exit(f"error: {e}")

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import math
 import typing
-import zlib
 from dataclasses import dataclass
 
 import jax
@@ -44,6 +43,8 @@ from jax.sharding import PartitionSpec as P
 from jax.sharding import reshard
 
 from shared import flops, kernels
+from shared import weights as weights_lib
+from shared.weights import Weight, normal, ones, uniform
 from shared.kernels.kda import kda, kda_flops_per_token
 
 COPIED_FROM = "variants/dense"
@@ -144,88 +145,84 @@ def layer_counts(cfg: ModelConfig) -> tuple[int, int]:
 
 # ---------------------------------------------------------------- parameters
 
-def param_shapes(cfg: ModelConfig) -> dict:
+def a_log_init(key, shape, dtype, spec):
+    """A = exp(A_log) ~ U(1, 16) per head (Kimi Linear / fla)."""
+    return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0, out_sharding=spec)).astype(dtype)
+
+
+def dt_bias_init(key, shape, dtype, spec):
+    """The inverse softplus of dt ~ log-uniform(1e-3, 1e-1): softplus(dt_bias) = dt."""
+    lo, hi = math.log(1e-3), math.log(1e-1)
+    dt = jnp.exp(jax.random.uniform(key, shape, jnp.float32, lo, hi, out_sharding=spec))
+    return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
+
+
+def weights(cfg: ModelConfig) -> dict:
+    """Every weight, declared once: shape, PartitionSpec, role, init, and for matrices the fan-in and
+    fan-out axes (shared/weights.py; the leading layer axis is a batch axis). `data` shards the
+    d_model side (FSDP), `model` the width side; a low-rank pair's rank is never sharded.
+
+    Matrices Normal(0, init_std), the projections back into the residual scaled by
+    1/sqrt(2 n_layers), unit norms. KDA gates as in Kimi Linear / fla: A = exp(A_log) ~ U(1, 16)
+    per head; dt_bias is the inverse softplus of dt ~ log-uniform(1e-3, 1e-1), so at init the
+    decay per step is exp(-A dt) in [0.2, 0.999]; convolution taps U(-1/sqrt(conv_size),
+    1/sqrt(conv_size)) (PyTorch's Conv1d default). A_log and dt_bias are never decayed (roles
+    `rate` and `bias`), as in Kimi Linear.
+    """
     D, F, V = cfg.d_model, cfg.d_ff, cfg.vocab_size
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     H, R, W = cfg.n_heads, cfg.gate_rank, cfg.conv_size
     Lk, La = layer_counts(cfg)
-    mlp = lambda L: {"mlp_norm": (L, D), "w_gate": (L, D, F), "w_up": (L, D, F), "w_down": (L, F, D)}  # noqa: E731
-    shapes = {
-        "embed": (V, D),
+    col, row, rep = P(None, "data", "model"), P(None, "model", "data"), P(None, None)
+    heads, down, up = P(None, "model"), P(None, "data", None), P(None, None, "model")  # low rank: rank unsharded
+    std, out_std = normal(cfg.init_std), normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+    taps = uniform(-cfg.conv_size**-0.5, cfg.conv_size**-0.5)
+
+    def mat(shape, spec, init=std):
+        return Weight(shape, spec, "matrix", init, fan_in=1, fan_out=2)
+
+    def mlp(L):
+        return {"mlp_norm": Weight((L, D), rep, "norm", ones), "w_gate": mat((L, D, F), col),
+                "w_up": mat((L, D, F), col), "w_down": mat((L, F, D), row, out_std)}
+
+    decl = {
+        "embed": Weight((V, D), P("model", "data"), "embedding", std, fan_in=0, fan_out=1),
         "kda": {
-            "attn_norm": (Lk, D), "wq": (Lk, D, q), "wk": (Lk, D, q), "wv": (Lk, D, q),
-            "conv_q": (Lk, W, q), "conv_k": (Lk, W, q), "conv_v": (Lk, W, q),
-            "forget_down": (Lk, D, R), "forget_up": (Lk, R, q), "A_log": (Lk, H), "dt_bias": (Lk, q),
-            "w_beta": (Lk, D, H), "ogate_down": (Lk, D, R), "ogate_up": (Lk, R, q), "o_norm": (Lk, cfg.head_dim),
-            "wo": (Lk, q, D), **mlp(Lk),
+            "attn_norm": Weight((Lk, D), rep, "norm", ones),
+            "wq": mat((Lk, D, q), col), "wk": mat((Lk, D, q), col), "wv": mat((Lk, D, q), col),
+            "conv_q": Weight((Lk, W, q), up, "conv", taps), "conv_k": Weight((Lk, W, q), up, "conv", taps),
+            "conv_v": Weight((Lk, W, q), up, "conv", taps),
+            "forget_down": mat((Lk, D, R), down), "forget_up": mat((Lk, R, q), up),
+            "A_log": Weight((Lk, H), heads, "rate", a_log_init), "dt_bias": Weight((Lk, q), heads, "bias", dt_bias_init),
+            "w_beta": mat((Lk, D, H), col), "ogate_down": mat((Lk, D, R), down), "ogate_up": mat((Lk, R, q), up),
+            "o_norm": Weight((Lk, cfg.head_dim), rep, "norm", ones),
+            "wo": mat((Lk, q, D), row, out_std), **mlp(Lk),
         },
         "attn": {
-            "attn_norm": (La, D), "wq": (La, D, q), "wk": (La, D, kv), "wv": (La, D, kv), "wo": (La, q, D),
-            **mlp(La),
+            "attn_norm": Weight((La, D), rep, "norm", ones),
+            "wq": mat((La, D, q), col), "wk": mat((La, D, kv), col), "wv": mat((La, D, kv), col),
+            "wo": mat((La, q, D), row, out_std), **mlp(La),
         },
-        "final_norm": (D,),
+        "final_norm": Weight((D,), P(None), "norm", ones),
     }
     if not cfg.tie_embeddings:
-        shapes["unembed"] = (D, V)
-    return shapes
+        decl["unembed"] = Weight((D, V), P("data", "model"), "unembedding", std, fan_in=0, fan_out=1)
+    return decl
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    return weights_lib.shapes(weights(cfg))
 
 
 def param_specs(cfg: ModelConfig) -> dict:
-    """PartitionSpec per leaf: `data` shards the d_model side (FSDP), `model` the width side."""
-    col, row, rep = P(None, "data", "model"), P(None, "model", "data"), P(None, None)
-    heads, down, up = P(None, "model"), P(None, "data", None), P(None, None, "model")  # low rank: rank unsharded
-    mlp = {"mlp_norm": rep, "w_gate": col, "w_up": col, "w_down": row}
-    specs = {
-        "embed": P("model", "data"),
-        "kda": {
-            "attn_norm": rep, "wq": col, "wk": col, "wv": col, "conv_q": up, "conv_k": up, "conv_v": up,
-            "forget_down": down, "forget_up": up, "A_log": heads, "dt_bias": heads,
-            "w_beta": col, "ogate_down": down, "ogate_up": up, "o_norm": rep, "wo": row, **mlp,
-        },
-        "attn": {"attn_norm": rep, "wq": col, "wk": col, "wv": col, "wo": row, **mlp},
-        "final_norm": P(None),
-    }
-    if not cfg.tie_embeddings:
-        specs["unembed"] = P("data", "model")
-    return specs
+    """PartitionSpec per leaf, from `weights`."""
+    return weights_lib.specs(weights(cfg))
 
 
 def init(cfg: ModelConfig, key) -> dict:
-    """Normal(0, init_std) matrices, output projections scaled by 1/sqrt(2 n_layers), unit norms.
-
-    KDA gates as in Kimi Linear / fla: A = exp(A_log) ~ U(1, 16) per head; dt_bias is the
-    inverse softplus of dt ~ log-uniform(1e-3, 1e-1), so at init the decay per step is
-    exp(-A dt) in [0.2, 0.999]; convolution taps U(-1/sqrt(conv_size), 1/sqrt(conv_size))
-    (PyTorch's Conv1d default).
-    """
-    shapes, specs = param_shapes(cfg), param_specs(cfg)
-    dtype = jnp.dtype(cfg.param_dtype)
-    flat, treedef = jax.tree.flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
-    names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
-        shapes, is_leaf=lambda s: isinstance(s, tuple))[0]]
-    # each weight's key from its name (not its place in the tree): a copy that adds weights starts
-    # the ones it shares with its parent from the same values at the same seed
-    keys = [jax.random.fold_in(key, zlib.crc32(name.encode())) for name in names]
-    leaves = []
-    for name, shape, k, spec in zip(names, flat, keys, jax.tree.leaves(specs)):
-        if "norm" in name:
-            leaves.append(jnp.ones(shape, dtype, out_sharding=spec))
-            continue
-        if "A_log" in name:
-            leaves.append(jnp.log(jax.random.uniform(k, shape, jnp.float32, 1.0, 16.0, out_sharding=spec)).astype(dtype))
-            continue
-        if "dt_bias" in name:
-            lo, hi = math.log(1e-3), math.log(1e-1)
-            dt = jnp.exp(jax.random.uniform(k, shape, jnp.float32, lo, hi, out_sharding=spec))
-            leaves.append((dt + jnp.log(-jnp.expm1(-dt))).astype(dtype))  # softplus(dt_bias) = dt
-            continue
-        if "conv_" in name:
-            b = cfg.conv_size**-0.5
-            leaves.append(jax.random.uniform(k, shape, dtype, -b, b, out_sharding=spec))
-            continue
-        std = cfg.init_std / (2 * cfg.n_layers) ** 0.5 if ("wo" in name or "w_down" in name) else cfg.init_std
-        leaves.append(std * jax.random.normal(k, shape, dtype, out_sharding=spec))
-    return jax.tree.unflatten(treedef, leaves)
+    """Each weight by its declared init, from a key derived from its name (not its place in the tree):
+    a copy that adds weights starts the ones it shares with its parent from the same values."""
+    return weights_lib.init_params(weights(cfg), key, cfg.param_dtype)
 
 
 def num_params(cfg: ModelConfig) -> int:

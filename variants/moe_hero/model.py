@@ -40,7 +40,6 @@ from __future__ import annotations
 import functools
 import math
 import typing
-import zlib
 from dataclasses import dataclass
 
 import jax
@@ -50,6 +49,8 @@ from jax.sharding import PartitionSpec as P
 from jax.sharding import reshard
 
 from shared import flops, kernels
+from shared import weights as weights_lib
+from shared.weights import Weight, normal, ones, zeros
 
 COPIED_FROM = "variants/swa_hybrid"
 
@@ -247,88 +248,73 @@ def expert_flops_ratio(cfg: ModelConfig, tokens_per_device: int, platform: str, 
 
 # ---------------------------------------------------------------- parameters
 
-def _attn_shapes(cfg: ModelConfig, L: int) -> dict:
+def _attn_weights(cfg: ModelConfig, L: int) -> dict:
     D, q, kv = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    s = {"attn_norm": (L, D), "wq": (L, D, q), "wk": (L, D, kv), "wv": (L, D, kv), "wo": (L, q, D), "mlp_norm": (L, D)}
-    if cfg.qk_norm:
-        s |= {"q_norm": (L, cfg.head_dim), "k_norm": (L, cfg.head_dim)}
-    if cfg.head_gate:
-        s["head_gate"] = (L, cfg.n_heads)
-    return s
-
-
-def _attn_specs(cfg: ModelConfig) -> dict:
     col, row, rep = P(None, BATCH, "model"), P(None, "model", BATCH), P(None, None)
-    s = {"attn_norm": rep, "wq": col, "wk": col, "wv": col, "wo": row, "mlp_norm": rep}
+    std, out_std = normal(cfg.init_std), normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+    w = {"attn_norm": Weight((L, D), rep, "norm", ones),
+         "wq": Weight((L, D, q), col, "matrix", std, fan_in=1, fan_out=2),
+         "wk": Weight((L, D, kv), col, "matrix", std, fan_in=1, fan_out=2),
+         "wv": Weight((L, D, kv), col, "matrix", std, fan_in=1, fan_out=2),
+         "wo": Weight((L, q, D), row, "matrix", out_std, fan_in=1, fan_out=2),
+         "mlp_norm": Weight((L, D), rep, "norm", ones)}
     if cfg.qk_norm:
-        s |= {"q_norm": rep, "k_norm": rep}
-    if cfg.head_gate:
-        s["head_gate"] = P(None, "model")  # heads, as in wq's columns
-    return s
+        w |= {"q_norm": Weight((L, cfg.head_dim), rep, "norm", ones), "k_norm": Weight((L, cfg.head_dim), rep, "norm", ones)}
+    if cfg.head_gate:  # heads, as in wq's columns; 2 * sigmoid(0) = 1: the gate starts as the identity
+        w["head_gate"] = Weight((L, cfg.n_heads), P(None, "model"), "gain", zeros)
+    return w
 
 
-def param_shapes(cfg: ModelConfig) -> dict:
+def weights(cfg: ModelConfig) -> dict:
+    """Every weight, declared once: shape, PartitionSpec, role, init, and for matrices the fan-in and
+    fan-out axes (shared/weights.py; layer and expert axes are batch axes). FSDP over ("data",
+    "expert") on the d_model side of every non-expert weight; experts over `expert` (then FSDP over
+    `data`); `model` the width side. Matrices Normal(0, init_std), output projections scaled by
+    1/sqrt(2 n_layers), unit norms, zero gates; the router bias (role `buffer`: the optimizer leaves
+    it alone, train.py's balance_bias moves it) zero and fp32 always."""
     D, V, E, Fe = cfg.d_model, cfg.vocab_size, cfg.n_experts, cfg.d_expert
     Ld, Lm = cfg.n_dense_layers, cfg.n_moe_layers
-    moe = _attn_shapes(cfg, Lm) | {
-        "router": (Lm, D, E), "router_bias": (Lm, E),
-        "ex_gate": (Lm, E, D, Fe), "ex_up": (Lm, E, D, Fe), "ex_down": (Lm, E, Fe, D),
+    col, row = P(None, BATCH, "model"), P(None, "model", BATCH)
+    std, out_std = normal(cfg.init_std), normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+    ex_col, ex_row = P(None, "expert", "data", "model"), P(None, "expert", "model", "data")
+    moe = _attn_weights(cfg, Lm) | {
+        "router": Weight((Lm, D, E), P(None, BATCH, None), "router", std, fan_in=1, fan_out=2),
+        "router_bias": Weight((Lm, E), P(None, None), "buffer", zeros, dtype="float32"),
+        "ex_gate": Weight((Lm, E, D, Fe), ex_col, "expert_matrix", std, fan_in=2, fan_out=3),
+        "ex_up": Weight((Lm, E, D, Fe), ex_col, "expert_matrix", std, fan_in=2, fan_out=3),
+        "ex_down": Weight((Lm, E, Fe, D), ex_row, "expert_matrix", out_std, fan_in=2, fan_out=3),
     }
     if cfg.n_shared:
         S = cfg.n_shared * Fe
-        moe |= {"sh_gate": (Lm, D, S), "sh_up": (Lm, D, S), "sh_down": (Lm, S, D)}
-    shapes = {"embed": (V, D), "moe_layers": moe, "final_norm": (D,)}
+        moe |= {"sh_gate": Weight((Lm, D, S), col, "matrix", std, fan_in=1, fan_out=2),
+                "sh_up": Weight((Lm, D, S), col, "matrix", std, fan_in=1, fan_out=2),
+                "sh_down": Weight((Lm, S, D), row, "matrix", out_std, fan_in=1, fan_out=2)}
+    decl = {"embed": Weight((V, D), P("model", BATCH), "embedding", std, fan_in=0, fan_out=1),
+            "moe_layers": moe, "final_norm": Weight((D,), P(None), "norm", ones)}
     if Ld:
         F = cfg.d_ff
-        shapes["dense_layers"] = _attn_shapes(cfg, Ld) | {"w_gate": (Ld, D, F), "w_up": (Ld, D, F), "w_down": (Ld, F, D)}
+        decl["dense_layers"] = _attn_weights(cfg, Ld) | {
+            "w_gate": Weight((Ld, D, F), col, "matrix", std, fan_in=1, fan_out=2),
+            "w_up": Weight((Ld, D, F), col, "matrix", std, fan_in=1, fan_out=2),
+            "w_down": Weight((Ld, F, D), row, "matrix", out_std, fan_in=1, fan_out=2)}
     if not cfg.tie_embeddings:
-        shapes["unembed"] = (D, V)
-    return shapes
+        decl["unembed"] = Weight((D, V), P(BATCH, "model"), "unembedding", std, fan_in=0, fan_out=1)
+    return decl
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    return weights_lib.shapes(weights(cfg))
 
 
 def param_specs(cfg: ModelConfig) -> dict:
-    """PartitionSpec per leaf. FSDP over ("data", "expert") on the d_model side of every
-    non-expert weight; experts over `expert` (then FSDP over `data`); `model` the width side."""
-    col, row = P(None, BATCH, "model"), P(None, "model", BATCH)
-    moe = _attn_specs(cfg) | {
-        "router": P(None, BATCH, None), "router_bias": P(None, None),
-        "ex_gate": P(None, "expert", "data", "model"), "ex_up": P(None, "expert", "data", "model"),
-        "ex_down": P(None, "expert", "model", "data"),
-    }
-    if cfg.n_shared:
-        moe |= {"sh_gate": col, "sh_up": col, "sh_down": row}
-    specs = {"embed": P("model", BATCH), "moe_layers": moe, "final_norm": P(None)}
-    if cfg.n_dense_layers:
-        specs["dense_layers"] = _attn_specs(cfg) | {"w_gate": col, "w_up": col, "w_down": row}
-    if not cfg.tie_embeddings:
-        specs["unembed"] = P(BATCH, "model")
-    return specs
+    """PartitionSpec per leaf, from `weights`."""
+    return weights_lib.specs(weights(cfg))
 
 
 def init(cfg: ModelConfig, key) -> dict:
-    """Normal(0, init_std) matrices, output projections scaled by 1/sqrt(2 n_layers), unit norms,
-    zero gates, zero router bias."""
-    shapes, specs = param_shapes(cfg), param_specs(cfg)
-    dtype = jnp.dtype(cfg.param_dtype)
-    is_shape = lambda s: isinstance(s, tuple)  # noqa: E731
-    paths, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=is_shape)
-    # each weight's key from its name (not its place in the tree): a copy that adds weights starts
-    # the ones it shares with its parent from the same values at the same seed
-    keys = [jax.random.fold_in(key, zlib.crc32(jax.tree_util.keystr(p).encode())) for p, _ in paths]
-    leaves = []
-    for (path, shape), k, spec in zip(paths, keys, jax.tree.leaves(specs)):
-        name = path[-1].key
-        if "norm" in name:
-            leaves.append(jnp.ones(shape, dtype, out_sharding=spec))
-        elif name == "router_bias":  # not a trained weight: fp32 always, moved by train.py
-            leaves.append(jnp.zeros(shape, jnp.float32, out_sharding=spec))
-        elif name == "head_gate":  # 2 * sigmoid(0) = 1: the gate starts as the identity
-            leaves.append(jnp.zeros(shape, dtype, out_sharding=spec))
-        else:
-            out = name in ("wo", "w_down", "ex_down", "sh_down")
-            std = cfg.init_std / (2 * cfg.n_layers) ** 0.5 if out else cfg.init_std
-            leaves.append(std * jax.random.normal(k, shape, dtype, out_sharding=spec))
-    return jax.tree.unflatten(treedef, leaves)
+    """Each weight by its declared init, from a key derived from its name (not its place in the tree):
+    a copy that adds weights starts the ones it shares with its parent from the same values."""
+    return weights_lib.init_params(weights(cfg), key, cfg.param_dtype)
 
 
 def num_params(cfg: ModelConfig) -> int:
