@@ -31,9 +31,13 @@ _WRAPPERS = {"while", "body", "cond", "closed_call", "checkpoint", "rematted_com
 
 def scope_of(op_name: str) -> str:
     """"jit(train_step)/while/body/transpose(jvp())/layer/attention/dot_general" -> "layer/attention (bwd)"."""
-    parts = op_name.split("/")[:-1]  # the last part is the primitive
-    scope = "/".join(p for p in parts if "(" not in p and p not in _WRAPPERS)
-    return scope + (" (bwd)" if "transpose(" in op_name else "")
+    parts = []
+    for p in op_name.split("/")[1:-1]:  # not jit(<function>), nor the primitive at the end
+        while p.endswith(")") and "(" in p:  # a scope seen through a transformation: jvp(loss) is loss
+            p = p[p.index("(") + 1:-1]
+        if p and p not in _WRAPPERS:
+            parts.append(p)
+    return "/".join(parts) + (" (bwd)" if "transpose(" in op_name else "")
 
 
 def hlo_scopes(directory: str) -> dict[tuple[str, str], str]:
