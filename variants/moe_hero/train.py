@@ -68,6 +68,7 @@ class TrainConfig:
     save_every: int = 100  # also saved at the end; 0 = only at the end
     keep_checkpoints: int = 3
     run_dir: str = ""  # "" = runs/<variant>-<time>; with --resume, the newest runs/<variant>-*
+    checkpoint_dir: str = ""  # "" = <run_dir>/checkpoints; or a path, file://, gs://bucket/prefix, s3://bucket/prefix
     resume: bool = False  # continue from the newest good checkpoint in run_dir
     resume_from: str = ""  # continue from this checkpoint: a step of run_dir's, or a checkpoint's path
     watchdog_s: int = 1800  # abort (exit 70, every thread's stack written) if no step completes this long; 0 = off
@@ -92,6 +93,8 @@ class TrainConfig:
         check(self.mesh_data == -1 or self.mesh_data > 0, "mesh_data", f"must be -1 or positive, got {self.mesh_data}")
         check(self.eval_every > 0 and self.log_every > 0, "eval_every", "eval_every and log_every must be positive")
         check(self.watchdog_s >= 0, "watchdog_s", f"must be >= 0 (0 = off), got {self.watchdog_s}")
+        check(not self.checkpoint_dir or not checkpoint.location_error(self.checkpoint_dir), "checkpoint_dir",
+              str(checkpoint.location_error(self.checkpoint_dir or ".")))
 
 
 # What the contract test (tests/test_contract.py) runs on 8 CPU devices: the CPU default at 32
@@ -270,9 +273,9 @@ class Preempted(Exception):
 def pick_run_dir(cfg: TrainConfig) -> str:
     if cfg.run_dir:
         return cfg.run_dir
-    if cfg.resume_from and not cfg.resume_from.isdigit():  # <run_dir>/checkpoints/step_XXXXXXXX
+    if cfg.resume_from and not cfg.resume_from.isdigit() and not checkpoint.is_url(cfg.resume_from):  # a local step_X
         return os.path.dirname(os.path.dirname(os.path.abspath(cfg.resume_from)))
-    if cfg.resume or cfg.resume_from:
+    if cfg.resume or (cfg.resume_from and not checkpoint.is_url(cfg.resume_from)):  # a URL's: a new run dir
         runs = sorted(d for d in os.listdir("runs") if d.startswith(VARIANT + "-")) if os.path.isdir("runs") else []
         runs = [os.path.join("runs", d) for d in runs if checkpoint.latest(os.path.join("runs", d, "checkpoints"))]
         if not runs:
@@ -285,8 +288,8 @@ def pick_run_dir(cfg: TrainConfig) -> str:
 def main(cfg: TrainConfig) -> dict:
     mesh = make_mesh(cfg)  # validates mesh/batch/width divisibility before anything is compiled
     run_dir = pick_run_dir(cfg)
-    lock = guard.RunLock(run_dir)  # one run per directory: a second one is refused, naming the first
-    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    ckpt_dir = cfg.checkpoint_dir or os.path.join(run_dir, "checkpoints")
+    lock = guard.RunLock(run_dir, ckpt_dir)  # one run per directory: a second one is refused, naming the first
     resume = cfg.resume or bool(cfg.resume_from)
     last = checkpoint.find(ckpt_dir, cfg.resume_from) if cfg.resume_from else checkpoint.latest(ckpt_dir)
     if last and not resume:
@@ -355,7 +358,9 @@ def main(cfg: TrainConfig) -> dict:
 
         def save(step, state):
             meta = {"config": dataclasses.asdict(cfg), "loader": loader.state(), "variant": VARIANT, "stream": stream}
-            return checkpoint.save(ckpt_dir, step, state, meta, keep=cfg.keep_checkpoints)
+            return saver.save(ckpt_dir, step, state, meta, keep=cfg.keep_checkpoints)  # waits for the host copy only
+
+        saver = checkpoint.Saver()  # asynchronous saves, one in flight
 
         losses, val_loss, pending = {}, None, None
         t_mark, step_mark = None, None
@@ -377,6 +382,7 @@ def main(cfg: TrainConfig) -> dict:
             for step in range(start + 1, end + 1):
                 b = loader.next()
                 state, m = train_step(state, to_device(b, mesh, (cfg.grad_accum,)))
+                saver.check()  # a background save that failed stops the run here
                 if pending is not None:
                     settle(*pending)
                 pending = (step, m)
@@ -419,6 +425,7 @@ def main(cfg: TrainConfig) -> dict:
                         settle(*pending)
                         pending = None
                     path = save(step, state)
+                    saver.wait()
                     log.write(f"stopped by a signal after step {step}: saved {path}; exiting with code "
                               f"{guard.EXIT_PREEMPTED}. Continue with --resume true --run_dir {run_dir}")
                     raise Preempted(f"preempted after step {step}; checkpoint {path}")
@@ -426,7 +433,9 @@ def main(cfg: TrainConfig) -> dict:
                 settle(*pending)
             if end > start:
                 save(end, state)
+            saver.wait()
         finally:
+            saver.close()  # an error on the way out: the save in flight still ends (or is reported)
             watchdog.stop()
             stop.restore()
             log.close()
