@@ -220,6 +220,18 @@ def _sizes_and_crcs(store, keys: list[str], batch: int = 64) -> dict:
     return out
 
 
+def _layout(chunk):
+    return ts.ChunkLayout(chunk_shape=chunk) if chunk else None
+
+
+@functools.lru_cache(maxsize=1024)
+def _zarr_json(dtype: str, shape: tuple, chunk: tuple) -> bytes:
+    """The zarr.json tensorstore writes for such an array (made in memory)."""
+    arr = ts.open({"driver": "zarr3", "kvstore": {"driver": "memory"}}, create=True, dtype=ts.dtype(dtype),
+                  shape=shape, chunk_layout=_layout(chunk)).result()
+    return arr.kvstore.read("zarr.json").result().value
+
+
 def _chunk_key(index, chunk) -> str:
     if not chunk:
         return "c"
@@ -275,9 +287,13 @@ def _write(directory, final, step, host, meta, keep, ocdbt) -> None:
     try:
         pending, mine = [], []
         for h in host:
-            nd = len(h["shape"])
-            arr = ts.open(_spec(final, h["name"], ocdbt), create=True, open=True, dtype=ts.dtype(h["dtype"]),
-                          shape=h["shape"], chunk_layout=ts.ChunkLayout(chunk_shape=h["chunk"]) if nd else None).result()
+            if ocdbt:
+                arr = ts.open(_spec(final, h["name"], ocdbt), create=True, open=True, dtype=ts.dtype(h["dtype"]),
+                              shape=h["shape"], chunk_layout=_layout(h["chunk"])).result()
+            else:  # zarr.json by a plain write (the same bytes from every process), then opened: no conditional
+                # create, which tensorstore's s3 driver retries forever when the bucket is gone
+                store.write(f"arrays/{h['name']}/zarr.json", _zarr_json(h["dtype"], h["shape"], h["chunk"])).result()
+                arr = ts.open(_spec(final, h["name"], ocdbt), open=True).result()
             for index, data in h["shards"]:
                 pending.append(arr[index].write(data))
                 mine.append(f"arrays/{h['name']}/{_chunk_key(index, h['chunk'])}")

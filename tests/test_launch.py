@@ -286,8 +286,10 @@ def test_slurm_script_requeues_on_75_and_70_only(tmp_path, capsys):
 
     ckpts = tmp_path / "runs" / "dense-42" / "checkpoints"
     (ckpts / "step_00000002.tmp").mkdir(parents=True)  # an unfinished save is not a checkpoint
+    (ckpts / "step_00000003" / "arrays").mkdir(parents=True)  # nor is one without its commit record
     assert run(75)[1].endswith("--run_dir runs/dense-42")
     (ckpts / "step_00000001").mkdir()
+    (ckpts / "step_00000001" / "metadata.json").write_text("{}")
     r, srun, scontrol = run(75, restarts=1)
     assert srun.endswith("--run_dir runs/dense-42 --resume true"), srun
     assert "resuming from its newest checkpoint" in r.stdout and scontrol == ["requeue 42"]
@@ -354,8 +356,10 @@ def test_k8s_command_resumes_from_a_checkpoint(tmp_path, capsys):
     want = f"variants/dense/train.py --steps 10 --run_dir {run_dir}"
     assert run() == want
     (run_dir / "checkpoints" / "step_00000004.tmp").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step_00000005").mkdir()  # a partial save: no commit record
     assert run() == want
     (run_dir / "checkpoints" / "step_00000003").mkdir()
+    (run_dir / "checkpoints" / "step_00000003" / "metadata.json").write_text("{}")
     assert run() == want + " --resume true"
     for bad in (["--grace-period", "0"], ["--max-hung-restarts", "-1"]):
         with pytest.raises(SystemExit):

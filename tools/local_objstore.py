@@ -21,6 +21,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -45,11 +46,12 @@ def _env(values: dict):
                 os.environ[k] = v
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, what: str, timeout: float = 60.0) -> None:
+def _wait_ready(url: str, proc: subprocess.Popen, log, what: str, timeout: float = 60.0) -> None:
     t = time.monotonic()
     while time.monotonic() - t < timeout:
         if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with code {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            log.seek(0)
+            raise RuntimeError(f"{what} exited with code {proc.returncode}: {log.read()[-2000:]}")
         try:
             urllib.request.urlopen(url, timeout=2)
             return
@@ -60,9 +62,11 @@ def _wait_ready(url: str, proc: subprocess.Popen, what: str, timeout: float = 60
 
 @contextlib.contextmanager
 def _process(cmd: list[str], ready_url: str, what: str):
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # its log goes to a file: a pipe nobody reads fills up and stops the server after ~1000 requests
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
-        _wait_ready(ready_url, proc, what)
+        _wait_ready(ready_url, proc, log, what)
         yield proc
     finally:
         proc.terminate()
@@ -71,6 +75,7 @@ def _process(cmd: list[str], ready_url: str, what: str):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        log.close()
 
 
 def _request(url: str, method: str, body: dict | None = None) -> None:
