@@ -320,6 +320,7 @@ def main(cfg: TrainConfig) -> dict:
             m = jax.device_get(m)
             loss, grad_norm = float(m["loss"]), float(m["grad_norm"])
             if not (np.isfinite(loss) and np.isfinite(grad_norm)):  # a non-finite gradient: step's update is bad too
+                saver.wait()  # an earlier step's save in flight ends first, so the message names it
                 raise TrainingError(f"loss {loss}, grad_norm {grad_norm} at step {step}; stopped without saving. "
                                     f"Last good checkpoint: {checkpoint.latest_name(ckpt_dir)} (untouched)")
             losses[step] = loss
