@@ -57,16 +57,17 @@ def flag_value(cmd: list[str], flag: str) -> str | None:
 # by the hang watchdog (stacks written). Both mean "start me again": the scheduler resumes the run.
 EXIT_PREEMPTED, EXIT_HUNG = 75, 70
 
-# A finished checkpoint folder, as shared/checkpoint.py names it (step_XXXXXXXX; a `.tmp` or
-# `.deleting` leftover does not match). train.py needs --resume true exactly when one is there.
-CHECKPOINT_GLOB = "checkpoints/step_" + "[0-9]" * 8
+# A committed checkpoint, as shared/checkpoint.py names it: step_XXXXXXXX/metadata.json, its commit
+# record (a partial save, or a `.tmp` / `.deleting` leftover, has none). train.py needs --resume true
+# exactly when one is there.
+CHECKPOINT_GLOB = "checkpoints/step_" + "[0-9]" * 8 + "/metadata.json"
 
 
 def if_checkpoint(run_dir_sh: str, then: str) -> str:
-    """A POSIX sh line that runs `then` when <run_dir>/checkpoints holds a checkpoint folder.
+    """A POSIX sh line that runs `then` when <run_dir>/checkpoints holds a committed checkpoint.
     run_dir_sh is already a shell word ("$RUN_DIR"); a damaged newest checkpoint still counts, so
     train.py names it and stops instead of starting over."""
-    return f'for ckpt in {run_dir_sh}/{CHECKPOINT_GLOB}; do if [ -d "$ckpt" ]; then {then}; fi; done'
+    return f'for ckpt in {run_dir_sh}/{CHECKPOINT_GLOB}; do if [ -f "$ckpt" ]; then {then}; fi; done'
 
 
 def refuse_resume_flags(cmd: list[str], launcher: str) -> None:

@@ -1,42 +1,73 @@
-"""Checkpoints: one tensorstore (zarr3) array per pytree leaf, plus JSON metadata.
+"""Checkpoints on any storage: one tensorstore (zarr3) array per pytree leaf, plus JSON metadata.
 
-Layout of a run's checkpoint directory:
+Where: `directory` is a local path, `file://PATH`, `gs://BUCKET/PREFIX` or `s3://BUCKET/PREFIX`.
+Every operation (list, write, commit, read, delete) goes through tensorstore's kvstore drivers
+(file, gcs, s3), so nothing here needs a rename or a directory, and no cloud SDK is installed.
+Credentials are the drivers' own: for gs://, Application Default Credentials (and
+`TENSORSTORE_GCS_HTTP_URL` for another endpoint, such as an emulator); for s3://, the usual
+`AWS_*` variables, `~/.aws` files or instance roles, and for an S3-compatible store (R2,
+MinIO, a local server) `AWS_ENDPOINT_URL_S3` or `AWS_ENDPOINT_URL` with `AWS_REGION`.
+
+Layout of a checkpoint directory:
 
     step_00000100/
-        metadata.json        step, config, data-loader state, leaf names/shapes/dtypes
-        arrays/<leaf name>/  one zarr3 array per leaf (or one OCDBT store, `ocdbt=True`)
+        arrays/<leaf name>/  one zarr3 array per leaf (or one OCDBT store, `ocdbt=True`);
+                             chunks shaped like the shards of the saved mesh, every chunk written
+        files.p<i>.json      what process i wrote: each file's size and CRC32 (or its error)
+        metadata.json        THE COMMIT RECORD: step, config, data-loader state, leaves, files
 
-Saving is atomic: everything is written under `step_XXXXXXXX.tmp/`, and only when every
-array and the metadata are on disk is the folder renamed to its final name. A process
-killed mid-save leaves a `.tmp` folder that `latest()` ignores and the next save removes,
-so the newest good checkpoint is never damaged. A save that fails (a full disk, storage
-that refuses the write) removes its partial files and raises `CheckpointError`; the
-previous checkpoints stay as they were. After a save, all but the newest `keep`
-checkpoints are deleted, each first renamed to `step_XXXXXXXX.deleting` (so a process
-killed while deleting never leaves a half-deleted folder under a checkpoint's name).
+Commit protocol (no rename anywhere):
+  1. A save first deletes whatever is stored under its own step's name (a partial save of that
+     step from a killed run, or an older save of it: its commit record first), then every
+     process passes a barrier.
+  2. Each process copies the shards it owns (replica 0 of each) to host memory; that is all the
+     loop waits for. A background thread writes them, reads them back for their sizes and
+     CRC32s, and writes `files.p<i>.json`.
+  3. Process 0 waits until every process's `files.p<i>.json` is there (a barrier through the
+     store: no collective runs off the main thread), then writes `metadata.json` last, with
+     every file's size and CRC32. One object written in one request: it exists whole or not.
+  4. A checkpoint is complete if and only if its commit record exists (and what it records is
+     there, `verify`). A folder without one is a partial save: invisible to `latest`,
+     `all_checkpoints` and `find`, and deleted by the next save. Nothing a killed save leaves
+     can hide or damage the newest complete checkpoint.
+  5. Deleting a checkpoint (keep-N, or a retried step) removes its commit record first, then
+     the rest: a deletion killed half-way leaves a partial folder, never a damaged checkpoint.
+     (Leftovers named `.tmp` / `.deleting` by the older rename-based protocol are deleted too.)
+  A save that fails (a full disk, a bucket that disappears) deletes what it wrote and raises
+  `CheckpointError`; the earlier checkpoints stay as they were.
 
-Never a bad state: `save` refuses a tree with a non-finite floating-point value (NaN or
-inf weights are not a checkpoint) and names the leaf.
+Asynchronous saves (`Saver`): at most one save in flight. `Saver.save` blocks for the
+finiteness check, step 1 and the device-to-host copy of this process's shards, then returns
+while the background thread does steps 2-5. The next `save`, `wait` (the end of a run, a
+preemption) wait for it; `check()` (called every step) raises a failed save's error in the
+loop; nothing is swallowed. The metadata (data-loader state) is taken when `save` is called,
+with the host copy of the same step's state. `save()` is the synchronous form.
 
-Integrity: `metadata.json` records every file written under `arrays/` with its size and
-CRC32. A folder counts as a complete checkpoint only if its metadata parses and every
-recorded file is there at its recorded size (`verify`, by `stat`, when listing); `restore`
-also checks the CRC32s before it reads (one extra read of the files). A missing chunk is
-an error, never zeros (zarr would fill it). A damaged newest checkpoint is never skipped
-in silence: `latest` raises, naming it, what is wrong, and the complete ones.
+Never a bad state: a tree with a non-finite floating-point value (NaN or inf weights) is not
+saved; the error names the leaf.
 
-Each process writes only the shards it holds (replica 0 of each), into chunks shaped like
-those shards, so multi-process saves are cooperative and never write the same chunk twice.
-Restoring takes target shardings: each process reads only the slices its devices need,
-so a checkpoint restores onto any mesh shape or device count.
+Integrity: a complete checkpoint's commit record lists every file under `arrays/` with its
+size and CRC32. Listing checks that each is there at its size (one small ranged read per
+file); `restore` also checks the CRC32s (one read of the files). A missing chunk is an error,
+never zeros. A damaged newest checkpoint is never skipped in silence: `latest` raises, naming
+it, what is wrong, and the complete ones.
+
+Each process writes only the shards it holds, into chunks shaped like those shards, so
+multi-process saves never write the same chunk twice. Restoring takes target shardings:
+each process reads only the slices its devices need, so a checkpoint restores onto any mesh
+shape or device count. (Multi-process saves are unverified on object storage: the tests run
+one process.)
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
-import shutil
+import sys
+import threading
+import time
 import zlib
 
 import jax
@@ -45,7 +76,9 @@ import numpy as np
 import tensorstore as ts
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
-_LEFTOVER = re.compile(r"^step_(\d{8})\.(tmp|deleting)$")  # a killed save or deletion
+_LEFTOVER = re.compile(r"^step_(\d{8})\.(tmp|deleting)$")  # left by the older rename-based protocol
+COMMIT = "metadata.json"  # the commit record: a checkpoint is complete iff it exists
+COMMIT_TIMEOUT_S = 3600.0  # how long process 0 waits for the other processes' files.p<i>.json
 
 
 class CheckpointError(RuntimeError):
@@ -59,6 +92,91 @@ def _sync(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
+# ---------------------------------------------------------------- storage locations
+
+def is_url(location: str) -> bool:
+    return "://" in location
+
+
+def location_error(location: str) -> str | None:
+    """Why `location` is not a usable checkpoint directory (None if it is)."""
+    try:
+        _kvspec(location)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def _kvspec(location: str) -> dict:
+    """The tensorstore kvstore spec of a folder: a local path, file://, gs://bucket/prefix, s3://bucket/prefix."""
+    loc = location[len("file://"):] if location.startswith("file://") else location
+    if not is_url(loc):
+        if not loc:
+            raise CheckpointError("an empty path is not a checkpoint directory")
+        return {"driver": "file", "path": os.path.abspath(loc) + "/"}  # abspath: the file driver refuses ".."
+    scheme, rest = loc.split("://", 1)
+    bucket, _, prefix = rest.partition("/")
+    if scheme not in ("gs", "s3") or not bucket:
+        raise CheckpointError(f"{location!r}: a checkpoint location is a local path, file://PATH, "
+                              "gs://BUCKET[/PREFIX] or s3://BUCKET[/PREFIX]")
+    if ".." in prefix.split("/"):
+        raise CheckpointError(f"{location!r}: '..' is not allowed in an object-store prefix")
+    path = prefix.strip("/") + "/" if prefix.strip("/") else ""
+    if scheme == "gs":
+        return {"driver": "gcs", "bucket": bucket, "path": path}
+    spec = {"driver": "s3", "bucket": bucket, "path": path}
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:  # an S3-compatible store (R2, MinIO, a local server): the region must be named
+        spec["endpoint"] = endpoint
+        spec["aws_region"] = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+    return spec
+
+
+def join(location: str, name: str) -> str:
+    return location.rstrip("/") + "/" + name if is_url(location) else os.path.join(location, name)
+
+
+def _parent(path: str) -> str:
+    return path.rsplit("/", 1)[0] if is_url(path) else (os.path.dirname(path) or ".")
+
+
+def _basename(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+@functools.lru_cache(maxsize=64)
+def _open_store(spec_json: str):
+    return ts.KvStore.open(json.loads(spec_json)).result()
+
+
+def _store(location: str):
+    return _open_store(json.dumps(_kvspec(location), sort_keys=True))
+
+
+def _scan(directory: str) -> dict[str, set[str]]:
+    """{top-level name: {keys under it}} of everything stored under `directory`."""
+    out: dict[str, set[str]] = {}
+    for key in _store(directory).list().result():
+        top, _, rest = key.decode().partition("/")
+        out.setdefault(top, set()).add(rest)
+    return out
+
+
+def _delete(folder: str) -> None:
+    """Delete everything stored under `folder`: its commit record first, then the rest."""
+    store = _store(folder)
+    store.write(COMMIT, None).result()
+    store.delete_range(ts.KvStore.KeyRange()).result()
+    if not is_url(folder) and os.path.isdir(folder):  # the file driver leaves empty directories: tidy them
+        for d, _, _ in sorted(os.walk(folder), key=lambda w: -len(w[0])):
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass  # not empty: something was written there meanwhile
+
+
+# ---------------------------------------------------------------- saving
+
 def leaf_names(tree) -> list[str]:
     """Stable file-safe names for the leaves of a pytree, e.g. 'params.layers.wq'."""
     paths = jax.tree_util.tree_flatten_with_path(tree)[0]
@@ -69,12 +187,12 @@ def leaf_names(tree) -> list[str]:
 
 
 def _spec(root: str, name: str, ocdbt: bool) -> dict:
-    root = os.path.abspath(root)  # tensorstore's file driver refuses ".." in a path: normalise it here
     if ocdbt:
-        kv = {"driver": "ocdbt", "base": {"driver": "file", "path": os.path.join(root, "arrays")}, "path": name}
+        kv = {"driver": "ocdbt", "base": _kvspec(join(root, "arrays")), "path": name}
     else:
-        kv = {"driver": "file", "path": os.path.join(root, "arrays", name)}
-    return {"driver": "zarr3", "kvstore": kv}
+        kv = _kvspec(join(join(root, "arrays"), name))
+    # every chunk is stored, a fill-valued one too: a missing chunk is then always an error, never zeros
+    return {"driver": "zarr3", "kvstore": kv, "store_data_equal_to_fill_value": True}
 
 
 @jax.jit
@@ -89,38 +207,56 @@ def _nonfinite(names, leaves) -> list[str]:
     return [n for (n, _), good in zip(floats, ok) if not good]
 
 
-def _crc32(path: str) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def _files(root: str) -> dict:
-    """{path under root: [size, crc32]} for every file under root."""
+def _sizes_and_crcs(store, keys: list[str], batch: int = 64) -> dict:
+    """{key: [size, crc32]}, read back from `store`, `batch` reads at a time."""
     out = {}
-    for d, _, files in os.walk(root):
-        for name in files:
-            path = os.path.join(d, name)
-            out[os.path.relpath(path, root)] = [os.path.getsize(path), _crc32(path)]
+    for i in range(0, len(keys), batch):
+        part = keys[i:i + batch]
+        for key, fut in [(k, store.read(k)) for k in part]:
+            r = fut.result()
+            if r.state != "value":
+                raise CheckpointError(f"{key} was written but is not there when read back")
+            out[key] = [len(r.value), zlib.crc32(r.value)]
     return out
 
 
-def _remove(path: str) -> None:
-    """Delete a checkpoint folder: rename it out of the checkpoints' names first, then remove it."""
-    m = _STEP_DIR.match(os.path.basename(path))
-    gone = path + ".deleting" if m else path
-    if m:
-        os.rename(path, gone)
-    shutil.rmtree(gone)
+def _layout(chunk):
+    return ts.ChunkLayout(chunk_shape=chunk) if chunk else None
 
 
-def save(directory: str, step: int, tree, metadata: dict, *, keep: int = 3, ocdbt: bool = False) -> str:
-    """Write `tree` (a pytree of jax.Arrays) and `metadata` as checkpoint `step`; return its path.
+@functools.lru_cache(maxsize=1024)
+def _zarr_json(dtype: str, shape: tuple, chunk: tuple) -> bytes:
+    """The zarr.json tensorstore writes for such an array (made in memory)."""
+    arr = ts.open({"driver": "zarr3", "kvstore": {"driver": "memory"}}, create=True, dtype=ts.dtype(dtype),
+                  shape=shape, chunk_layout=_layout(chunk)).result()
+    return arr.kvstore.read("zarr.json").result().value
 
-    Raises CheckpointError, writing nothing, if a floating-point leaf is not finite; and,
-    removing what it wrote, if the storage fails (the earlier checkpoints are untouched)."""
+
+def _chunk_key(index, chunk) -> str:
+    if not chunk:
+        return "c"
+    return "c/" + "/".join(str((s.start or 0) // c) for s, c in zip(index, chunk))
+
+
+def _host_copy(names, leaves) -> list[dict]:
+    """What this process saves of each leaf, copied to host memory: the only part of a save the loop waits for."""
+    for x in leaves:
+        for shard in x.addressable_shards:
+            if shard.replica_id == 0:
+                shard.data.copy_to_host_async()
+    out = []
+    for name, x in zip(names, leaves):
+        chunk = tuple(x.sharding.shard_shape(x.shape)) if x.ndim else ()
+        shards = [(shard.index, np.array(shard.data, copy=True))  # a copy: the state is donated to the next step
+                  for shard in x.addressable_shards if shard.replica_id == 0]
+        out.append({"name": name, "shape": tuple(x.shape), "dtype": np.dtype(x.dtype).name, "chunk": chunk,
+                    "shards": shards})
+    return out
+
+
+def _start(directory: str, step: int, tree, metadata: dict, keep: int, ocdbt: bool):
+    """The blocking part of a save (checks, clearing the step's name, barrier, host copy). Returns
+    (path, write): `write()` does the rest and may run on another thread."""
     if ocdbt and jax.process_count() > 1:
         raise CheckpointError("ocdbt=True is single-process only here; use the default zarr3 layout for multi-process")
     names = leaf_names(tree)
@@ -129,94 +265,235 @@ def save(directory: str, step: int, tree, metadata: dict, *, keep: int = 3, ocdb
     if bad:
         raise CheckpointError(f"not saving step {step}: non-finite values in {len(bad)} leaves, e.g. {bad[:3]}; "
                               f"the last checkpoint in {directory} is {latest_name(directory)}")
-    final = os.path.join(directory, f"step_{step:08d}")
-    tmp = final + ".tmp"
+    final = join(directory, f"step_{step:08d}")
     try:
-        if jax.process_index() == 0:
-            os.makedirs(directory, exist_ok=True)
-            for d in os.listdir(directory):  # left by a save or a deletion that was killed
-                if _LEFTOVER.match(d):
-                    shutil.rmtree(os.path.join(directory, d))
-            os.makedirs(os.path.join(tmp, "arrays"))
-        _sync(f"ckpt-mkdir-{step}")
+        if jax.process_index() == 0 and _store(final).list().result():
+            _delete(final)  # a partial save of this step by a killed run, or an older save of it
+    except Exception as e:
+        raise CheckpointError(f"saving step {step} to {final} failed: cannot clear its name: "
+                              f"{type(e).__name__}: {e}") from e
+    _sync(f"ckpt-clear-{step}")
+    host = _host_copy(names, leaves)
+    meta = dict(metadata, step=step, ocdbt=ocdbt,
+                leaves={h["name"]: {"shape": list(h["shape"]), "dtype": h["dtype"]} for h in host})
+    meta = json.loads(json.dumps(meta))  # a copy, taken now: the loader moves on while the write runs
+    return final, functools.partial(_write, directory, final, step, host, meta, keep, ocdbt)
 
-        pending = []
-        for name, x in zip(names, leaves):
-            chunk = x.sharding.shard_shape(x.shape) if x.ndim else ()
-            arr = ts.open(_spec(tmp, name, ocdbt), create=True, open=True, dtype=ts.dtype(np.dtype(x.dtype).name),
-                          shape=x.shape, chunk_layout=ts.ChunkLayout(chunk_shape=chunk) if x.ndim else None).result()
-            for shard in x.addressable_shards:
-                if shard.replica_id == 0:
-                    pending.append(arr[shard.index].write(np.asarray(shard.data)))
+
+def _write(directory, final, step, host, meta, keep, ocdbt) -> None:
+    """The background part of a save: write the shards, record them, commit (process 0), delete old ones."""
+    me, n = jax.process_index(), jax.process_count()
+    store = _store(final)
+    try:
+        pending, mine = [], []
+        for h in host:
+            if ocdbt:
+                arr = ts.open(_spec(final, h["name"], ocdbt), create=True, open=True, dtype=ts.dtype(h["dtype"]),
+                              shape=h["shape"], chunk_layout=_layout(h["chunk"])).result()
+            else:  # zarr.json by a plain write (the same bytes from every process), then opened: no conditional
+                # create, which tensorstore's s3 driver retries forever when the bucket is gone
+                store.write(f"arrays/{h['name']}/zarr.json", _zarr_json(h["dtype"], h["shape"], h["chunk"])).result()
+                arr = ts.open(_spec(final, h["name"], ocdbt), open=True).result()
+            for index, data in h["shards"]:
+                pending.append(arr[index].write(data))
+                mine.append(f"arrays/{h['name']}/{_chunk_key(index, h['chunk'])}")
+            if me == 0:
+                mine.append(f"arrays/{h['name']}/zarr.json")
         for p in pending:
             p.result()
-        _sync(f"ckpt-written-{step}")
-
-        if jax.process_index() == 0:
-            meta = dict(metadata, step=step, leaves={n: {"shape": list(x.shape), "dtype": np.dtype(x.dtype).name}
-                                                     for n, x in zip(names, leaves)}, ocdbt=ocdbt,
-                        files=_files(os.path.join(tmp, "arrays")))
-            with open(os.path.join(tmp, "metadata.json"), "w") as f:
-                json.dump(meta, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            if os.path.exists(final):
-                _remove(final)  # an older save of the same step
-            os.rename(tmp, final)
+        h = None
+        host.clear()  # the host copy is written: let it go before reading back
+        if ocdbt:  # its own file layout: record every file under arrays/ (single process)
+            mine = ["arrays/" + k.decode() for k in _store(join(final, "arrays")).list().result()]
+        files = {k[len("arrays/"):]: v for k, v in _sizes_and_crcs(store, sorted(mine)).items()}
+        if n > 1:
+            store.write(f"files.p{me}.json", json.dumps({"files": files})).result()
+        if me == 0:
+            for other in range(1, n):
+                files.update(_wait_for_files(store, other, step))
+            store.write(COMMIT, json.dumps(dict(meta, files=files), indent=1)).result()
     except Exception as e:
-        if jax.process_index() == 0 and os.path.exists(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
+        if n > 1:  # the other processes' commit waits end now, not at the timeout
+            try:
+                store.write(f"files.p{me}.json", json.dumps({"error": f"{type(e).__name__}: {e}"})).result()
+            except Exception:
+                pass
+        if me == 0:
+            try:
+                _delete(final)
+            except Exception:
+                pass  # unreachable storage: the next save deletes it; without a commit record it is invisible
         raise CheckpointError(f"saving step {step} to {final} failed: {type(e).__name__}: {e}. Its partial files "
                               f"were removed; the last checkpoint is {latest_name(directory)}") from e
-    if jax.process_index() == 0:
-        for old in all_checkpoints(directory)[:-keep] if keep > 0 else []:
-            _remove(old)
+    if me == 0:
+        _tidy(directory, final, keep)
+
+
+def _wait_for_files(store, process: int, step: int) -> dict:
+    deadline = time.monotonic() + COMMIT_TIMEOUT_S
+    while time.monotonic() < deadline:
+        r = store.read(f"files.p{process}.json").result()
+        if r.state == "value":
+            got = json.loads(r.value)
+            if "error" in got:
+                raise CheckpointError(f"process {process} could not write its shards of step {step}: {got['error']}")
+            return got["files"]
+        time.sleep(0.5)
+    raise CheckpointError(f"process {process} did not finish writing step {step} within {COMMIT_TIMEOUT_S:.0f} s")
+
+
+def _tidy(directory: str, final: str, keep: int) -> None:
+    """After a commit: delete partial saves and leftovers, and all but the newest `keep` complete checkpoints."""
+    scan = _scan(directory)
+    for name, keys in scan.items():
+        if _LEFTOVER.match(name) or (_STEP_DIR.match(name) and COMMIT not in keys):
+            _delete(join(directory, name))
+    for old in all_checkpoints(directory)[:-keep] if keep > 0 else []:
+        if old != final:
+            _delete(old)
+
+
+class Saver:
+    """Asynchronous checkpoints, at most one in flight (see the module docstring).
+
+        saver = Saver()
+        saver.save(dir, step, state, meta)   # returns after the host copy; the write goes on
+        saver.check()                        # every step: raises a failed save's error
+        saver.wait()                         # end of run, preemption: the save is committed (or raises)
+    """
+
+    def __init__(self):
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def save(self, directory: str, step: int, tree, metadata: dict, *, keep: int = 3, ocdbt: bool = False) -> str:
+        """Start saving `tree` and `metadata` as checkpoint `step` once the previous save is done; return its path."""
+        self.wait()
+        path, write = _start(directory, step, tree, metadata, keep, ocdbt)
+
+        def run():
+            try:
+                write()
+            except BaseException as e:  # noqa: BLE001 - handed to the loop by check() / wait()
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name=f"stencil-checkpoint-{step}", daemon=True)
+        self._thread.start()
+        return path
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def check(self) -> None:
+        """Raise the error of a save that has finished and failed (cheap: no waiting)."""
+        if self._thread is not None and not self._thread.is_alive():
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for the save in flight; raise its error, if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise e
+
+    def close(self) -> None:
+        """For a `finally:` block: wait for the save in flight. Its error is raised, unless another
+        exception is already on its way out, in which case it is printed (never dropped)."""
+        outer = sys.exc_info()[1]  # in a finally block: the exception propagating through it, if any
+        try:
+            self.wait()
+        except Exception as e:
+            if outer is None:
+                raise
+            print(f"error: the checkpoint save in flight failed too: {e}", file=sys.stderr, flush=True)
+
+
+def save(directory: str, step: int, tree, metadata: dict, *, keep: int = 3, ocdbt: bool = False) -> str:
+    """Write `tree` (a pytree of jax.Arrays) and `metadata` as checkpoint `step` and commit it; return its path.
+
+    Raises CheckpointError, writing nothing, if a floating-point leaf is not finite; and,
+    deleting what it wrote, if the storage fails (the earlier checkpoints are untouched)."""
+    saver = Saver()
+    path = saver.save(directory, step, tree, metadata, keep=keep, ocdbt=ocdbt)
+    saver.wait()
     _sync(f"ckpt-done-{step}")
-    return final
+    return path
+
+
+# ---------------------------------------------------------------- listing, reading
+
+def _damage(meta: dict, path: str, checksums: bool) -> list[str]:
+    store, problems, files = _store(path), [], sorted(meta.get("files", {}).items())
+    for i in range(0, len(files), 64):
+        part = files[i:i + 64]
+        # listing reads one byte at the recorded end, and asks for the rest: exactly one byte back if the size is right
+        futs = [store.read("arrays/" + rel, byte_range=None if checksums else slice(max(size - 1, 0), None))
+                for rel, (size, _) in part]
+        for (rel, (size, crc)), fut in zip(part, futs):
+            try:
+                r = fut.result()
+            except ValueError as e:
+                if "OUT_OF_RANGE" not in str(e):
+                    raise
+                r = store.read("arrays/" + rel).result()  # shorter than recorded: read it for its size
+                problems.append(f"arrays/{rel} is {len(r.value)} bytes, {size} were written")
+                continue
+            if r.state != "value":
+                problems.append(f"arrays/{rel} is missing")
+            elif checksums and len(r.value) != size:
+                problems.append(f"arrays/{rel} is {len(r.value)} bytes, {size} were written")
+            elif not checksums and len(r.value) != min(size, 1):
+                problems.append(f"arrays/{rel} is longer than the {size} bytes that were written")
+            elif checksums and zlib.crc32(r.value) != crc:
+                problems.append(f"arrays/{rel} has another CRC32 than was written")
+    return problems
 
 
 def verify(path: str, checksums: bool = False) -> list[str]:
-    """What is wrong with checkpoint `path` (empty if nothing): unreadable metadata, a recorded
-    file missing or of another size, with `checksums` a CRC32 that differs. A checkpoint from
-    before files were recorded is checked for its metadata only."""
+    """What is wrong with checkpoint `path` (empty if nothing): no or unreadable commit record
+    (metadata.json), a recorded file missing or of another size, with `checksums` a CRC32 that
+    differs. A checkpoint from before files were recorded is checked for its metadata only."""
     try:
         meta = read_metadata(path)
     except (OSError, ValueError) as e:
         return [f"metadata.json unreadable ({type(e).__name__}: {e})"]
-    problems = []
-    for rel, (size, crc) in meta.get("files", {}).items():
-        f = os.path.join(path, "arrays", rel)
-        if not os.path.isfile(f):
-            problems.append(f"arrays/{rel} is missing")
-        elif os.path.getsize(f) != size:
-            problems.append(f"arrays/{rel} is {os.path.getsize(f)} bytes, {size} were written")
-        elif checksums and _crc32(f) != crc:
-            problems.append(f"arrays/{rel} has another CRC32 than was written")
-    return problems
+    try:
+        return _damage(meta, path, checksums)
+    except ValueError as e:
+        return [f"unreadable: {e}"]
 
 
 def _step_dirs(directory: str) -> list[str]:
-    """Folders named like a checkpoint (step_XXXXXXXX), oldest first, whatever their state."""
-    if not os.path.isdir(directory):
-        return []
-    return [os.path.join(directory, d) for d in sorted(os.listdir(directory)) if _STEP_DIR.match(d)]
+    """Committed checkpoints (a commit record is there), oldest first, whatever their state.
+    Partial saves (no commit record) and leftovers of the older protocol are not listed."""
+    scan = _scan(directory)
+    return [join(directory, name) for name in sorted(scan) if _STEP_DIR.match(name) and COMMIT in scan[name]]
 
 
 def all_checkpoints(directory: str) -> list[str]:
-    """Complete checkpoints in `directory`, oldest first: metadata readable, every recorded file
-    there at its size (unfinished saves and deletions excluded)."""
+    """Complete checkpoints in `directory`, oldest first: committed, metadata readable, every
+    recorded file there at its size (partial saves and deletions excluded)."""
     return [d for d in _step_dirs(directory) if not verify(d)]
 
 
 def latest_name(directory: str) -> str:
-    good = all_checkpoints(directory)
+    try:
+        good = all_checkpoints(directory)
+    except ValueError as e:
+        return f"unknown ({directory} cannot be listed: {e})"
     return good[-1] if good else "none"
 
 
 def latest(directory: str) -> str | None:
     """The newest checkpoint, or None if there is none. Raises CheckpointError if the newest
-    folder named like a checkpoint is damaged: it is never skipped in silence."""
-    dirs = _step_dirs(directory)
+    committed checkpoint is damaged: it is never skipped in silence."""
+    try:
+        dirs = _step_dirs(directory)
+    except ValueError as e:
+        raise CheckpointError(f"cannot list checkpoints in {directory}: {e}") from e
     if not dirs:
         return None
     problems = verify(dirs[-1])
@@ -225,17 +502,21 @@ def latest(directory: str) -> str | None:
         raise CheckpointError(
             f"checkpoint {dirs[-1]} is damaged: {'; '.join(problems[:5])}"
             + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
-            + f". Complete checkpoints: {[os.path.basename(g) for g in good] or 'none'}. To resume from the newest "
-            f"of them, move the damaged folder away (e.g. mv {dirs[-1]} {dirs[-1]}.damaged)")
+            + f". Complete checkpoints: {[_basename(g) for g in good] or 'none'}. To resume from the newest "
+            f"of them, move the damaged one away or delete its metadata.json (its commit record)")
     return dirs[-1]
 
 
 def find(directory: str, which: str) -> str:
-    """The checkpoint `which` names: a step number (of `directory`) or a checkpoint folder's path.
+    """The checkpoint `which` names: a step number (of `directory`) or a checkpoint's path or URL.
     Raises CheckpointError if it does not exist or is damaged, listing the complete ones."""
-    path = os.path.join(directory, f"step_{int(which):08d}") if which.isdigit() else which.rstrip("/")
-    good = [os.path.basename(g) for g in all_checkpoints(os.path.dirname(path) or ".")]
-    if not os.path.isdir(path):
+    path = join(directory, f"step_{int(which):08d}") if which.isdigit() else which.rstrip("/")
+    try:
+        good = [_basename(g) for g in all_checkpoints(_parent(path))]
+        committed = _store(path).read(COMMIT).result().state == "value"
+    except ValueError as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from e
+    if not committed:
         raise CheckpointError(f"no checkpoint {path}; complete checkpoints there: {good or 'none'}")
     problems = verify(path)
     if problems:
@@ -245,8 +526,11 @@ def find(directory: str, which: str) -> str:
 
 
 def read_metadata(path: str) -> dict:
-    with open(os.path.join(path, "metadata.json")) as f:
-        meta = json.load(f)
+    """A checkpoint's metadata (its commit record). OSError if there is none, ValueError if unreadable."""
+    r = _store(path).read(COMMIT).result()
+    if r.state != "value":
+        raise FileNotFoundError(f"{join(path, COMMIT)} does not exist")
+    meta = json.loads(r.value)
     if not isinstance(meta, dict) or "step" not in meta or "leaves" not in meta:
         raise ValueError("not a checkpoint's metadata (no step or leaves)")
     return meta
@@ -275,7 +559,10 @@ def restore(path: str, target):
     """
     problems = verify(path, checksums=True)
     if problems:
-        good = [os.path.basename(g) for g in all_checkpoints(os.path.dirname(path)) if g != path]
+        try:
+            good = [_basename(g) for g in all_checkpoints(_parent(path)) if g != path]
+        except ValueError:
+            good = []
         raise CheckpointError(f"checkpoint {path} is damaged: {'; '.join(problems[:5])}. "
                               f"Complete checkpoints beside it: {good or 'none'}")
     meta = read_metadata(path)

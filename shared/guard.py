@@ -1,8 +1,13 @@
 """What keeps a run safe from its surroundings: one run per directory, preemption, hangs.
 
-- `RunLock(run_dir)`: a `LOCK` file naming the pid and host of the run that holds the
-  directory. A second run in the same directory is refused with that name; a lock left by
-  a dead process on this host is taken over. Only process 0 of a multi-process run locks.
+- `RunLock(run_dir, checkpoint_dir)`: a `LOCK` file naming the pid and host of the run that
+  holds the directory. A second run in the same directory is refused with that name; a lock
+  left by a dead process on this host is taken over. Only process 0 of a multi-process run
+  locks. A checkpoint directory elsewhere (`--checkpoint_dir`, e.g. gs:// or s3://) gets its
+  own `LOCK` object, taken through tensorstore's kvstore by a conditional write (created only
+  if absent; taken over only if unchanged since it was read), with the same rules: another
+  host's lock is never taken over (delete it by hand if that run is gone). The gcs driver
+  sends the condition; the fake-gcs-server emulator does not honour it (tests use file and s3).
 - `StopSignals()`: SIGTERM (what schedulers send before they preempt), SIGINT (Ctrl-C) and
   SIGUSR1 (what SLURM sends with `--signal`) set a flag; the train loop finishes its
   current step, saves a checkpoint and exits with `EXIT_PREEMPTED`. A second signal exits
@@ -63,13 +68,24 @@ def _alive(pid: int) -> bool:
 
 
 class RunLock:
-    """Holds `<run_dir>/LOCK` for this process (process 0 only) until `release()`."""
+    """Holds `<run_dir>/LOCK` (and `<checkpoint_dir>/LOCK` if it lies elsewhere) for this process
+    (process 0 only) until `release()`."""
 
-    def __init__(self, run_dir: str):
+    def __init__(self, run_dir: str, checkpoint_dir: str | None = None):
         self.path = os.path.join(run_dir, "LOCK")
         self.held = False
+        self.store_lock = None
         if jax.process_index() != 0:
             return
+        self._take(run_dir)
+        if checkpoint_dir and os.path.abspath(checkpoint_dir) != os.path.abspath(os.path.join(run_dir, "checkpoints")):
+            try:
+                self.store_lock = StoreLock(checkpoint_dir)
+            except BaseException:
+                self.release()
+                raise
+
+    def _take(self, run_dir: str) -> None:
         os.makedirs(run_dir, exist_ok=True)
         me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
         for _ in range(2):
@@ -108,11 +124,60 @@ class RunLock:
             return None
 
     def release(self) -> None:
+        if self.store_lock is not None:
+            self.store_lock.release()
+            self.store_lock = None
         if self.held and (self._holder() or {}).get("pid") == os.getpid():
             os.remove(self.path)
         self.held = False
         if self in _HELD:
             _HELD.remove(self)
+
+
+class StoreLock:
+    """`<location>/LOCK` as an object in any storage tensorstore reaches (shared/checkpoint's
+    locations), created and taken over by conditional writes. Held until `release()`."""
+
+    def __init__(self, location: str):
+        from shared import checkpoint
+
+        self.location, self.store = location, checkpoint._store(location)
+        self.url = checkpoint.join(location, "LOCK")
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        for _ in range(3):
+            try:
+                r = self.store.read("LOCK").result()
+                holder = None
+                if r.state == "value":
+                    try:
+                        holder = json.loads(r.value)
+                    except ValueError:
+                        holder = None  # unreadable: taken over, as a local one
+                    here = holder is not None and holder.get("host") == me["host"]
+                    if holder is not None and not (here and (not _alive(int(holder.get("pid", -1)))
+                                                             or holder["pid"] == me["pid"])):
+                        raise RunLockError(
+                            f"{location} is in use by pid {holder.get('pid')} on {holder.get('host')} (since "
+                            f"{holder.get('since')}); one run per checkpoint directory. If that run is gone, "
+                            f"delete {self.url}")
+                # absent, or stale: write ours only if it is still what was read (a conditional write)
+                got = self.store.write("LOCK", json.dumps(me), if_equal=r.stamp.generation).result()
+            except ValueError as e:
+                raise RunLockError(f"cannot take the lock {self.url}: {e}") from e
+            if got.generation:  # an empty generation: the condition failed, another run wrote first
+                self.generation = got.generation
+                _HELD.append(self)
+                atexit.register(self.release)
+                return
+        raise RunLockError(f"could not take {self.url}: another run keeps taking it")
+
+    def release(self) -> None:
+        if self in _HELD:
+            _HELD.remove(self)
+            try:
+                self.store.write("LOCK", None, if_equal=self.generation).result()  # only if still ours
+            except ValueError as e:
+                print(f"warning: could not release {self.url}: {e}", file=sys.stderr, flush=True)
 
 
 class StopSignals:

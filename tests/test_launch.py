@@ -314,8 +314,10 @@ def test_slurm_script_requeues_on_75_and_70_only(tmp_path, capsys):
 
     ckpts = tmp_path / "runs" / "dense-42" / "checkpoints"
     (ckpts / "step_00000002.tmp").mkdir(parents=True)  # an unfinished save is not a checkpoint
+    (ckpts / "step_00000003" / "arrays").mkdir(parents=True)  # nor is one without its commit record
     assert run(75)[1].endswith("--run_dir runs/dense-42")
     (ckpts / "step_00000001").mkdir()
+    (ckpts / "step_00000001" / "metadata.json").write_text("{}")
     r, srun, scontrol = run(75, restarts=1)
     assert srun.endswith("--run_dir runs/dense-42 --resume true"), srun
     assert "resuming from its newest checkpoint" in r.stdout and scontrol == ["requeue 42"]
@@ -409,8 +411,10 @@ def _resumes(script: str, run_dir, tmp_path, shell: str = "/bin/sh", **env) -> N
     first = run()
     assert first.startswith("variants/dense/train.py ") and first.endswith(f" --run_dir {run_dir}"), first
     (run_dir / "checkpoints" / "step_00000004.tmp").mkdir(parents=True)  # an unfinished save
+    (run_dir / "checkpoints" / "step_00000005").mkdir()  # a partial save: no commit record
     assert run() == first
     (run_dir / "checkpoints" / "step_00000003").mkdir()
+    (run_dir / "checkpoints" / "step_00000003" / "metadata.json").write_text("{}")  # committed
     assert run() == first + " --resume true"
 
 

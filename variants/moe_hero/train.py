@@ -71,6 +71,7 @@ class TrainConfig:
     save_every: int = 100  # also saved at the end; 0 = only at the end
     keep_checkpoints: int = 3
     run_dir: str = ""  # "" = runs/<variant>-<time>; with --resume, the newest runs/<variant>-*
+    checkpoint_dir: str = ""  # "" = <run_dir>/checkpoints; or a path, file://, gs://bucket/prefix, s3://bucket/prefix
     resume: bool = False  # continue from the newest good checkpoint in run_dir
     resume_from: str = ""  # continue from this checkpoint: a step of run_dir's, or a checkpoint's path
     init_from: str = ""  # "hf:DIR": start from a Hugging Face model's weights, architecture and tokenizer (hf.py here)
@@ -123,6 +124,8 @@ class TrainConfig:
               f"must be '' or hf:DIR (a Hugging Face model directory), got {self.init_from!r}")
         check(not self.init_from or os.path.isfile(os.path.join(HERE, "hf.py")), "init_from",
               f"{VARIANT} has no hf.py: no Hugging Face class maps to it (see the README's table)")
+        check(not self.checkpoint_dir or not checkpoint.location_error(self.checkpoint_dir), "checkpoint_dir",
+              str(checkpoint.location_error(self.checkpoint_dir or ".")))
 
 
 WANDB_MODES = ("auto", "online", "offline", "disabled")
@@ -339,9 +342,9 @@ class Preempted(Exception):
 def pick_run_dir(cfg: TrainConfig) -> str:
     if cfg.run_dir:
         return cfg.run_dir
-    if cfg.resume_from and not cfg.resume_from.isdigit():  # <run_dir>/checkpoints/step_XXXXXXXX
+    if cfg.resume_from and not cfg.resume_from.isdigit() and not checkpoint.is_url(cfg.resume_from):  # a local step_X
         return os.path.dirname(os.path.dirname(os.path.abspath(cfg.resume_from)))
-    if cfg.resume or cfg.resume_from:
+    if cfg.resume or (cfg.resume_from and not checkpoint.is_url(cfg.resume_from)):  # a URL's: a new run dir
         runs = sorted(d for d in os.listdir("runs") if d.startswith(VARIANT + "-")) if os.path.isdir("runs") else []
         runs = [os.path.join("runs", d) for d in runs if checkpoint.latest(os.path.join("runs", d, "checkpoints"))]
         if not runs:
@@ -356,8 +359,8 @@ def main(cfg: TrainConfig) -> dict:
         cfg = sibling(__file__, "hf").init_config(cfg)
     mesh = make_mesh(cfg)  # validates mesh/batch/width divisibility before anything is compiled
     run_dir = pick_run_dir(cfg)
-    lock = guard.RunLock(run_dir)  # one run per directory: a second one is refused, naming the first
-    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    ckpt_dir = cfg.checkpoint_dir or os.path.join(run_dir, "checkpoints")
+    lock = guard.RunLock(run_dir, ckpt_dir)  # one run per directory: a second one is refused, naming the first
     resume = cfg.resume or bool(cfg.resume_from)
     last = checkpoint.find(ckpt_dir, cfg.resume_from) if cfg.resume_from else checkpoint.latest(ckpt_dir)
     if last and not resume:
@@ -429,7 +432,9 @@ def main(cfg: TrainConfig) -> dict:
 
         def save(step, state):
             meta = {"config": dataclasses.asdict(cfg), "loader": loader.state(), "variant": VARIANT, "stream": stream}
-            return checkpoint.save(ckpt_dir, step, state, meta, keep=cfg.keep_checkpoints)
+            return saver.save(ckpt_dir, step, state, meta, keep=cfg.keep_checkpoints)  # waits for the host copy only
+
+        saver = checkpoint.Saver()  # asynchronous saves, one in flight
 
         def due(every, step):  # a cadence: every `every` steps and at the end; 0 = only at the end
             return step == end or (every > 0 and step % every == 0)
@@ -443,6 +448,7 @@ def main(cfg: TrainConfig) -> dict:
             step, m = pending
             pending, m = None, {k: float(v) for k, v in jax.device_get(m).items()}
             if not (math.isfinite(m["train/loss"]) and math.isfinite(m["optim/grad_norm"])):  # a bad update too
+                saver.wait()  # an earlier step's save in flight ends first, so the message names it
                 raise TrainingError(f"loss {m['train/loss']}, grad_norm {m['optim/grad_norm']} at step {step}; stopped "
                                     f"without saving. Last good checkpoint: {checkpoint.latest_name(ckpt_dir)} (untouched)")
             losses[step] = m["train/loss"]
@@ -459,6 +465,7 @@ def main(cfg: TrainConfig) -> dict:
                     jax.profiler.start_trace(os.path.join(run_dir, "profile"))
                 batch = to_device(loader.next(), mesh, (cfg.grad_accum,))
                 state, m = train_step(state, batch)
+                saver.check()  # a background save that failed stops the run here
                 if pending is not None:
                     fetch()  # the step before, while this one runs
                 pending = (step, m)
@@ -504,10 +511,13 @@ def main(cfg: TrainConfig) -> dict:
                     log.write(f"--- sample after {step} steps ---\n{text}\n---")
                 clock["aside"] += time.perf_counter() - t_aside
                 if stopping:
+                    saver.wait()
                     log.write(f"stopped by a signal after step {step}: saved {path}; exiting with code "
                               f"{guard.EXIT_PREEMPTED}. Continue with --resume true --run_dir {run_dir}")
                     raise Preempted(f"preempted after step {step}; checkpoint {path}")
+            saver.wait()  # the last save is complete before the run ends
         finally:
+            saver.close()  # an error on the way out: the save in flight still ends (or is reported)
             watchdog.stop()
             stop.restore()
             log.close()

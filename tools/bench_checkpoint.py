@@ -1,0 +1,134 @@
+"""How long an asynchronous checkpoint save blocks the train loop, and what it costs the steps
+that run while it writes (shared/checkpoint.py's Saver), for a local directory and for a local
+S3 server (moto, tools/local_objstore.py).
+
+For one dense train state (params + AdamW moments + step) it interleaves, round after round in
+one process:
+  sync   checkpoint.save(): the whole save, committed (what the loop waited for before)
+  block  Saver.save(): the part the loop waits for (finiteness check, clearing the step's name,
+         device-to-host copy of this process's shards); the rest runs on a thread
+  steps  `--steps-per-round` train steps with no save, then as many right after Saver.save()
+         returns, while the write runs (each step waited for, so its time is its own)
+and prints medians: block / sync (goal <= 20%), and step time during a save / without one, with
+the fraction of those steps that actually overlapped the write.
+
+    python tools/bench_checkpoint.py                                 # CPU default config, local + s3
+    python tools/bench_checkpoint.py --config 100m --rounds 3        # ~100M parameters (1.2 GB of state)
+    python tools/bench_checkpoint.py --stores local                  # no S3 server
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import local_objstore  # noqa: E402
+from shared import checkpoint, cli  # noqa: E402
+from shared.variant import load  # noqa: E402
+
+CONFIGS = {
+    "default": [],  # the CPU default of variants/dense (batch 32 x 128 tokens)
+    # ~100M parameters (100.7M): 8 layers of 768, vocabulary 32768, untied; a small batch so a step takes seconds on CPU
+    "100m": ["--model.vocab_size", "32768", "--model.d_model", "768", "--model.n_layers", "8", "--model.n_heads", "12",
+             "--model.n_kv_heads", "4", "--model.head_dim", "64", "--model.d_ff", "2048", "--batch_size", "2",
+             "--seq_len", "128"],
+}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", choices=sorted(CONFIGS), default="default")
+    ap.add_argument("--stores", default="local,s3", help="comma-separated: local, s3")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps-per-round", type=int, default=4)
+    args = ap.parse_args(argv)
+
+    train = load(os.path.join(ROOT, "variants", "dense", "train.py"))
+    cfg = cli.parse(train.TrainConfig, train.HERE, [*CONFIGS[args.config], "--wandb", "disabled"])
+    mesh = train.make_mesh(cfg)
+    optimizer, schedule = train.make_optimizer(cfg)
+    rng = np.random.default_rng(0)
+    with jax.set_mesh(mesh):
+        state = jax.jit(lambda k: train.init_state(cfg, optimizer, k))(jax.random.key(0))
+        step_fn = train.make_train_step(cfg, optimizer, schedule)
+        tokens = rng.integers(0, cfg.model.vocab_size, (cfg.batch_size, cfg.seq_len), dtype=np.int32)
+        batch = train.to_device({"tokens": tokens, "targets": np.roll(tokens, -1, -1),
+                                 "segment_ids": np.ones_like(tokens), "loss_mask": np.ones(tokens.shape, np.float32)},
+                                mesh, (cfg.grad_accum,))
+
+        def one_step(s):
+            s, m = step_fn(s, batch)
+            jax.block_until_ready(m)
+            return s
+
+        state = one_step(state)  # compile
+        n_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+        print(f"dense {args.config}: {train.model.num_params(cfg.model) / 1e6:.1f}M params, state {n_bytes / 1e9:.3f} GB "
+              f"({len(jax.tree.leaves(state))} arrays), mesh {dict(mesh.shape)}, {jax.devices()[0].platform}; "
+              f"{args.rounds} rounds of {args.steps_per_round} steps", flush=True)
+        rows = []
+        with tempfile.TemporaryDirectory() as tmp, _s3_if("s3" in args.stores.split(",")) as s3:
+            for store in args.stores.split(","):
+                where = os.path.join(tmp, "ck") if store == "local" else s3.bucket("stencil-bench") + "/ck"
+                sync, block, quiet, busy, overlap = [], [], [], [], []
+                step_no = 0
+                for r in range(args.rounds):
+                    step_no += 1
+                    t = time.perf_counter()
+                    checkpoint.save(where, step_no, state, {"round": r}, keep=1)
+                    sync.append(time.perf_counter() - t)
+                    for _ in range(args.steps_per_round):
+                        t = time.perf_counter()
+                        state = one_step(state)
+                        quiet.append(time.perf_counter() - t)
+                    saver = checkpoint.Saver()
+                    step_no += 1
+                    t = time.perf_counter()
+                    saver.save(where, step_no, state, {"round": r}, keep=1)
+                    block.append(time.perf_counter() - t)
+                    for _ in range(args.steps_per_round):
+                        was = saver.in_flight
+                        t = time.perf_counter()
+                        state = one_step(state)
+                        if was:
+                            busy.append(time.perf_counter() - t)
+                        overlap.append(was)
+                    saver.wait()
+                    print(f"  {store} round {r}: sync {sync[-1]:.3f} s, blocked {block[-1]:.3f} s", flush=True)
+                med = statistics.median
+                rows.append((store, med(sync), med(block), med(quiet), med(busy) if busy else float("nan"),
+                             sum(overlap) / len(overlap)))
+    print(f"\n| store | sync save | async: loop blocked | blocked / sync | step without save | step during save "
+          f"| during / without | steps that overlapped the write |\n|---|---|---|---|---|---|---|---|")
+    for store, s, b, q, bz, ov in rows:
+        print(f"| {store} | {s:.3f} s | {b:.3f} s | **{b / s:.1%}** | {q * 1e3:.0f} ms | {bz * 1e3:.0f} ms "
+              f"| {bz / q:.2f}x | {ov:.0%} |")
+
+
+class _s3_if:
+    """The local S3 server when asked for, else nothing."""
+
+    def __init__(self, wanted):
+        self.cm = local_objstore.s3_server() if wanted else None
+
+    def __enter__(self):
+        return self.cm.__enter__() if self.cm else None
+
+    def __exit__(self, *exc):
+        return self.cm.__exit__(*exc) if self.cm else False
+
+
+if __name__ == "__main__":
+    main()
