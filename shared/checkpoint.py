@@ -101,13 +101,13 @@ def is_url(location: str) -> bool:
 def location_error(location: str) -> str | None:
     """Why `location` is not a usable checkpoint directory (None if it is)."""
     try:
-        _kvspec(location)
+        kvstore_spec(location)
     except CheckpointError as e:
         return str(e)
     return None
 
 
-def _kvspec(location: str) -> dict:
+def kvstore_spec(location: str) -> dict:
     """The tensorstore kvstore spec of a folder: a local path, file://, gs://bucket/prefix, s3://bucket/prefix."""
     loc = location[len("file://"):] if location.startswith("file://") else location
     if not is_url(loc):
@@ -150,7 +150,7 @@ def _open_store(spec_json: str):
 
 
 def _store(location: str):
-    return _open_store(json.dumps(_kvspec(location), sort_keys=True))
+    return _open_store(json.dumps(kvstore_spec(location), sort_keys=True))
 
 
 def _scan(directory: str) -> dict[str, set[str]]:
@@ -188,9 +188,9 @@ def leaf_names(tree) -> list[str]:
 
 def _spec(root: str, name: str, ocdbt: bool) -> dict:
     if ocdbt:
-        kv = {"driver": "ocdbt", "base": _kvspec(join(root, "arrays")), "path": name}
+        kv = {"driver": "ocdbt", "base": kvstore_spec(join(root, "arrays")), "path": name}
     else:
-        kv = _kvspec(join(join(root, "arrays"), name))
+        kv = kvstore_spec(join(join(root, "arrays"), name))
     # every chunk is stored, a fill-valued one too: a missing chunk is then always an error, never zeros
     return {"driver": "zarr3", "kvstore": kv, "store_data_equal_to_fill_value": True}
 

