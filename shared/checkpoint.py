@@ -110,9 +110,13 @@ def location_error(location: str) -> str | None:
 def kvstore_spec(location: str) -> dict:
     """The tensorstore kvstore spec of a folder: a local path, file://, gs://bucket/prefix, s3://bucket/prefix."""
     loc = location[len("file://"):] if location.startswith("file://") else location
+    if "\0" in loc:
+        raise CheckpointError(f"{location!r}: contains a NUL byte")
     if not is_url(loc):
         if not loc:
             raise CheckpointError("an empty path is not a checkpoint directory")
+        if os.path.isfile(loc):
+            raise CheckpointError(f"{location!r} is a file, not a directory")
         return {"driver": "file", "path": os.path.abspath(loc) + "/"}  # abspath: the file driver refuses ".."
     scheme, rest = loc.split("://", 1)
     bucket, _, prefix = rest.partition("/")
