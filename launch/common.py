@@ -60,23 +60,37 @@ EXIT_PREEMPTED, EXIT_HUNG = 75, 70
 # A committed checkpoint, as shared/checkpoint.py names it: step_XXXXXXXX/metadata.json, its commit
 # record (a partial save, or a `.tmp` / `.deleting` leftover, has none). train.py needs --resume true
 # exactly when one is there.
-CHECKPOINT_GLOB = "checkpoints/step_" + "[0-9]" * 8 + "/metadata.json"
+CHECKPOINT_GLOB = "step_" + "[0-9]" * 8 + "/metadata.json"
 
 
-def if_checkpoint(run_dir_sh: str, then: str) -> str:
-    """A POSIX sh line that runs `then` when <run_dir>/checkpoints holds a committed checkpoint.
-    run_dir_sh is already a shell word ("$RUN_DIR"); a damaged newest checkpoint still counts, so
-    train.py names it and stops instead of starting over."""
-    return f'for ckpt in {run_dir_sh}/{CHECKPOINT_GLOB}; do if [ -f "$ckpt" ]; then {then}; fi; done'
+def if_checkpoint(cmd: list[str], run_dir_sh: str, then: str) -> str:
+    """A POSIX sh line that runs `then` when the run's checkpoint directory holds a committed
+    checkpoint: `--checkpoint_dir` of `cmd` if set, else <run_dir>/checkpoints (run_dir_sh is
+    already a shell word, "$RUN_DIR"). A local directory is looked at with a glob; a gs:// or s3://
+    one is listed by `python -m shared.checkpoint list` (with cmd's python, in the repository),
+    and a store that cannot be listed stops the script (exit 1) instead of starting the run over.
+    A damaged newest checkpoint still counts, so train.py names it and stops instead of starting over."""
+    where = flag_value(cmd, "--checkpoint_dir")
+    if where and where.startswith(("gs://", "s3://")):
+        q = shlex.quote(where)
+        return (f"{shlex.quote(cmd[0])} -m shared.checkpoint list --quiet {q} && ckpt_rc=0 || ckpt_rc=$?; "
+                f'if [ "$ckpt_rc" = 0 ]; then {then}; elif [ "$ckpt_rc" != 1 ]; then '
+                f'echo "stencil: cannot list the checkpoints in {where} (see above); not starting" >&2; exit 1; fi')
+    if where:
+        folder = shlex.quote(where[len("file://"):] if where.startswith("file://") else where)
+    else:
+        folder = f"{run_dir_sh}/checkpoints"
+    return f'for ckpt in {folder}/{CHECKPOINT_GLOB}; do if [ -f "$ckpt" ]; then {then}; fi; done'
 
 
 def refuse_resume_flags(cmd: list[str], launcher: str) -> None:
     """A requeued or restarted job runs the same command again, so the launcher decides --resume."""
     why = {"--resume": "to continue a run, pass its --run_dir",
-           "--resume_from": "a restart would go back to that checkpoint; copy it into <run_dir>/checkpoints instead"}
+           "--resume_from": "a restart would go back to that checkpoint; copy it into the checkpoint directory instead"}
     for flag, hint in why.items():
         if has_flag(cmd, flag):
-            sys.exit(f"error: {launcher} adds --resume true itself when <run_dir>/checkpoints holds a checkpoint, "
+            sys.exit(f"error: {launcher} adds --resume true itself when the checkpoint directory (<run_dir>/checkpoints "
+                     f"or --checkpoint_dir) holds a checkpoint, "
                      f"so a restarted job continues where it stopped; drop {flag} ({hint})")
 
 

@@ -55,7 +55,7 @@ def command(cmd: list[str]) -> list[str]:
     """sh -c: --resume true when the run dir holds a checkpoint (a replaced pod continues), then exec python."""
     run_dir = flag_value(cmd, "--run_dir")
     script = "; ".join([f"RUN_DIR={shlex.quote(run_dir)}", "set --",
-                        if_checkpoint('"$RUN_DIR"', "set -- --resume true"),
+                        if_checkpoint(cmd, '"$RUN_DIR"', "set -- --resume true"),
                         "exec " + " ".join(shlex.quote(a) for a in cmd) + ' "$@"'])
     return ["/bin/sh", "-c", script]
 

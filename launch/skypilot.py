@@ -48,7 +48,7 @@ def task(args: argparse.Namespace) -> dict:
         'export STENCIL_PROCESS_ID="$SKYPILOT_NODE_RANK"',
         f"RUN_DIR={shell([flag_value(cmd, '--run_dir')])}",
         "set --",
-        if_checkpoint('"$RUN_DIR"', "set -- --resume true"),
+        if_checkpoint(cmd, '"$RUN_DIR"', "set -- --resume true"),
         "exec " + shell(cmd) + ' "$@"', ""])
     extra = "[gpu]" if args.accelerators and not args.accelerators.lower().startswith("tpu") else ""
     out = {"name": name, "num_nodes": args.nodes, "workdir": args.workdir,

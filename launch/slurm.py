@@ -67,7 +67,7 @@ def script(args: argparse.Namespace) -> str:
         f"RUN_DIR={shell([run_dir])}",
         f"MAX_REQUEUES={args.max_requeues}",
         'RESUME=(); START="no checkpoint yet, a fresh start"',
-        if_checkpoint('"$RUN_DIR"', 'RESUME=(--resume true); START="resuming from its newest checkpoint"'),
+        if_checkpoint(cmd, '"$RUN_DIR"', 'RESUME=(--resume true); START="resuming from its newest checkpoint"'),
         'echo "stencil: job $SLURM_JOB_ID (requeued ${SLURM_RESTART_COUNT:-0} times): $RUN_DIR, $START"',
         "",
         # not --kill-on-bad-exit: the first task to exit 75 would get the others killed by a signal while

@@ -36,15 +36,17 @@ Commit protocol (no rename anywhere):
   A save that fails (a full disk, a bucket that disappears) deletes what it wrote and raises
   `CheckpointError`; the earlier checkpoints stay as they were.
 
-Asynchronous saves (`Saver`): at most one save in flight. `Saver.save` blocks for the
-finiteness check, step 1 and the device-to-host copy of this process's shards, then returns
-while the background thread does steps 2-5. The next `save`, `wait` (the end of a run, a
-preemption) wait for it; `check()` (called every step) raises a failed save's error in the
+Asynchronous saves (`Saver`): at most one save in flight. `Saver.save` blocks for step 1
+and the device-to-host copy of this process's shards (on CPU into host buffers the Saver keeps
+and reuses, one copy of this process's shards of the state), then returns while the
+background thread checks that copy for non-finite values and does steps 2-5. The next
+`save`, `wait` (the end of a run, a preemption) wait for it; `check()` (called every step) raises a failed save's error in the
 loop; nothing is swallowed. The metadata (data-loader state) is taken when `save` is called,
 with the host copy of the same step's state. `save()` is the synchronous form.
 
 Never a bad state: a tree with a non-finite floating-point value (NaN or inf weights) is not
-saved; the error names the leaf.
+saved (nothing of it is written, and no other process's part is committed); the error names
+the leaf, and reaches the loop at its next `check()` like any failed save.
 
 Integrity: a complete checkpoint's commit record lists every file under `arrays/` with its
 size and CRC32. Listing checks that each is there at its size (one small ranged read per
@@ -55,8 +57,8 @@ it, what is wrong, and the complete ones.
 Each process writes only the shards it holds, into chunks shaped like those shards, so
 multi-process saves never write the same chunk twice. Restoring takes target shardings:
 each process reads only the slices its devices need, so a checkpoint restores onto any mesh
-shape or device count. (Multi-process saves are unverified on object storage: the tests run
-one process.)
+shape or device count. (Tested with two processes: to the local S3 server in
+tests/test_launch.py, to a local directory under SLURM in tests/test_slurm.py.)
 """
 
 from __future__ import annotations
@@ -107,6 +109,11 @@ def location_error(location: str) -> str | None:
     return None
 
 
+# Request retries on object stores: None = the driver's own (many retries with long backoff: a store that
+# is unreachable makes an operation wait for minutes). `python -m shared.checkpoint` bounds them.
+REQUEST_RETRIES: dict | None = None
+
+
 def kvstore_spec(location: str) -> dict:
     """The tensorstore kvstore spec of a folder: a local path, file://, gs://bucket/prefix, s3://bucket/prefix."""
     loc = location[len("file://"):] if location.startswith("file://") else location
@@ -126,9 +133,11 @@ def kvstore_spec(location: str) -> dict:
     if ".." in prefix.split("/"):
         raise CheckpointError(f"{location!r}: '..' is not allowed in an object-store prefix")
     path = prefix.strip("/") + "/" if prefix.strip("/") else ""
+    retries = {"context": {f"{'gcs' if scheme == 'gs' else 's3'}_request_retries": REQUEST_RETRIES}} \
+        if REQUEST_RETRIES else {}
     if scheme == "gs":
-        return {"driver": "gcs", "bucket": bucket, "path": path}
-    spec = {"driver": "s3", "bucket": bucket, "path": path}
+        return {"driver": "gcs", "bucket": bucket, "path": path, **retries}
+    spec = {"driver": "s3", "bucket": bucket, "path": path, **retries}
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint:  # an S3-compatible store (R2, MinIO, a local server): the region must be named
         spec["endpoint"] = endpoint
@@ -199,18 +208,6 @@ def _spec(root: str, name: str, ocdbt: bool) -> dict:
     return {"driver": "zarr3", "kvstore": kv, "store_data_equal_to_fill_value": True}
 
 
-@jax.jit
-def _finite(leaves):
-    return [jnp.all(jnp.isfinite(x)) for x in leaves]
-
-
-def _nonfinite(names, leaves) -> list[str]:
-    """Names of the floating-point leaves holding a NaN or an inf."""
-    floats = [(n, x) for n, x in zip(names, leaves) if jnp.issubdtype(x.dtype, jnp.floating)]
-    ok = jax.device_get(_finite([x for _, x in floats]))
-    return [n for (n, _), good in zip(floats, ok) if not good]
-
-
 def _sizes_and_crcs(store, keys: list[str], batch: int = 64) -> dict:
     """{key: [size, crc32]}, read back from `store`, `batch` reads at a time."""
     out = {}
@@ -242,33 +239,50 @@ def _chunk_key(index, chunk) -> str:
     return "c/" + "/".join(str((s.start or 0) // c) for s, c in zip(index, chunk))
 
 
-def _host_copy(names, leaves) -> list[dict]:
-    """What this process saves of each leaf, copied to host memory: the only part of a save the loop waits for."""
+def _host_copy(names, leaves, buffers: dict | None = None) -> list[dict]:
+    """What this process saves of each leaf, copied to host memory: the only part of a save the loop waits for.
+
+    On CPU a shard's NumPy view is its device buffer (no transfer), which the next step reuses
+    (donation): it is copied into `buffers` (kept by the Saver and reused by every save, so that
+    after the first save this is one memcpy into memory already mapped, not a fresh allocation's
+    page faults). On an accelerator the transfer itself makes the host copy (unverified on GPU)."""
     for x in leaves:
         for shard in x.addressable_shards:
             if shard.replica_id == 0:
                 shard.data.copy_to_host_async()
+    buffers = {} if buffers is None else buffers
     out = []
     for name, x in zip(names, leaves):
         chunk = tuple(x.sharding.shard_shape(x.shape)) if x.ndim else ()
-        shards = [(shard.index, np.array(shard.data, copy=True))  # a copy: the state is donated to the next step
-                  for shard in x.addressable_shards if shard.replica_id == 0]
+        shards = []
+        for shard in x.addressable_shards:
+            if shard.replica_id != 0:
+                continue
+            data = np.asarray(shard.data)
+            if shard.device.platform == "cpu":  # a view of the buffer the next step overwrites: copy it now
+                key = (name, str(shard.index), data.shape, data.dtype.str)
+                if key not in buffers:
+                    buffers[key] = np.empty(data.shape, data.dtype)
+                np.copyto(buffers[key], data)
+                data = buffers[key]
+            shards.append((shard.index, data))
         out.append({"name": name, "shape": tuple(x.shape), "dtype": np.dtype(x.dtype).name, "chunk": chunk,
-                    "shards": shards})
+                    "shards": shards, "floating": bool(jnp.issubdtype(x.dtype, jnp.floating))})
     return out
 
 
-def _start(directory: str, step: int, tree, metadata: dict, keep: int, ocdbt: bool):
-    """The blocking part of a save (checks, clearing the step's name, barrier, host copy). Returns
-    (path, write): `write()` does the rest and may run on another thread."""
+def _nonfinite_host(host: list[dict]) -> list[str]:
+    """Names of the floating-point leaves whose host copy (this process's shards) holds a NaN or an inf."""
+    return [h["name"] for h in host if h["floating"] and not all(np.isfinite(d).all() for _, d in h["shards"])]
+
+
+def _start(directory: str, step: int, tree, metadata: dict, keep: int, ocdbt: bool, buffers: dict | None = None):
+    """The blocking part of a save (clearing the step's name, barrier, host copy). Returns
+    (path, write): `write()` does the rest (first the finiteness check) and may run on another thread."""
     if ocdbt and jax.process_count() > 1:
         raise CheckpointError("ocdbt=True is single-process only here; use the default zarr3 layout for multi-process")
     names = leaf_names(tree)
     leaves = jax.tree.leaves(tree)
-    bad = _nonfinite(names, leaves)
-    if bad:
-        raise CheckpointError(f"not saving step {step}: non-finite values in {len(bad)} leaves, e.g. {bad[:3]}; "
-                              f"the last checkpoint in {directory} is {latest_name(directory)}")
     final = join(directory, f"step_{step:08d}")
     try:
         if jax.process_index() == 0 and _store(final).list().result():
@@ -277,11 +291,15 @@ def _start(directory: str, step: int, tree, metadata: dict, keep: int, ocdbt: bo
         raise CheckpointError(f"saving step {step} to {final} failed: cannot clear its name: "
                               f"{type(e).__name__}: {e}") from e
     _sync(f"ckpt-clear-{step}")
-    host = _host_copy(names, leaves)
+    host = _host_copy(names, leaves, buffers)
     meta = dict(metadata, step=step, ocdbt=ocdbt,
                 leaves={h["name"]: {"shape": list(h["shape"]), "dtype": h["dtype"]} for h in host})
     meta = json.loads(json.dumps(meta))  # a copy, taken now: the loader moves on while the write runs
     return final, functools.partial(_write, directory, final, step, host, meta, keep, ocdbt)
+
+
+class _NotFinite(Exception):
+    """A floating-point leaf of the state to save holds a NaN or an inf (raised as CheckpointError)."""
 
 
 def _write(directory, final, step, host, meta, keep, ocdbt) -> None:
@@ -289,6 +307,9 @@ def _write(directory, final, step, host, meta, keep, ocdbt) -> None:
     me, n = jax.process_index(), jax.process_count()
     store = _store(final)
     try:
+        bad = _nonfinite_host(host)  # before anything is written: a bad state never reaches the store
+        if bad:
+            raise _NotFinite(f"not saving step {step}: non-finite values in {len(bad)} leaves, e.g. {bad[:3]}")
         pending, mine = [], []
         for h in host:
             if ocdbt:
@@ -327,6 +348,8 @@ def _write(directory, final, step, host, meta, keep, ocdbt) -> None:
                 _delete(final)
             except Exception:
                 pass  # unreachable storage: the next save deletes it; without a commit record it is invisible
+        if isinstance(e, _NotFinite):
+            raise CheckpointError(f"{e}; the last checkpoint in {directory} is {latest_name(directory)}") from None
         raise CheckpointError(f"saving step {step} to {final} failed: {type(e).__name__}: {e}. Its partial files "
                               f"were removed; the last checkpoint is {latest_name(directory)}") from e
     if me == 0:
@@ -369,11 +392,12 @@ class Saver:
     def __init__(self):
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._buffers: dict = {}  # host buffers the CPU copy reuses from one save to the next (_host_copy)
 
     def save(self, directory: str, step: int, tree, metadata: dict, *, keep: int = 3, ocdbt: bool = False) -> str:
         """Start saving `tree` and `metadata` as checkpoint `step` once the previous save is done; return its path."""
         self.wait()
-        path, write = _start(directory, step, tree, metadata, keep, ocdbt)
+        path, write = _start(directory, step, tree, metadata, keep, ocdbt, self._buffers)
 
         def run():
             try:
@@ -604,3 +628,39 @@ def open_leaf(path: str, name: str):
         return ts.open(_spec(path, name, meta.get("ocdbt", False)), open=True).result()
     except (ValueError, RuntimeError, OSError) as e:
         raise CheckpointError(f"checkpoint {path}: leaf {name} cannot be read: {type(e).__name__}: {e}") from e
+
+
+# ---------------------------------------------------------------- command line
+
+def main(argv=None) -> int:
+    """`python -m shared.checkpoint list DIR`: the committed checkpoints in DIR (any location this
+    module takes), oldest first, one per line with what `verify` finds wrong (nothing for a good
+    one). Exit 0 if there is one, 1 if there is none, 2 if DIR cannot be listed. The launchers use
+    it to decide `--resume true` for a `--checkpoint_dir` on object storage."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m shared.checkpoint", description=main.__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    ls = sub.add_parser("list", help="committed checkpoints in DIR; exit 0 if any, 1 if none, 2 if DIR cannot be listed")
+    ls.add_argument("directory", metavar="DIR")
+    ls.add_argument("--quiet", action="store_true", help="print nothing; the exit code says it")
+    args = ap.parse_args(argv)
+    global REQUEST_RETRIES
+    REQUEST_RETRIES = {"max_retries": 5, "initial_delay": "0.5s", "max_delay": "5s"}  # an answer within ~15 s
+    why = location_error(args.directory)
+    if why:
+        print(f"error: {why}", file=sys.stderr)
+        return 2
+    try:
+        found = _step_dirs(args.directory)  # committed, damaged or not: train.py names a damaged one and stops
+        problems = {d: verify(d) for d in found} if not args.quiet else {}
+    except (ValueError, RuntimeError, OSError) as e:
+        print(f"error: cannot list {args.directory}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    for d in found if not args.quiet else []:
+        print(d + ("" if not problems[d] else "  DAMAGED: " + "; ".join(problems[d])))
+    return 0 if found else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

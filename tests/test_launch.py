@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
@@ -59,7 +60,10 @@ def losses(run_dir):
         return {r["step"]: r["train/loss"] for r in map(json.loads, f)}
 
 
-def test_two_processes_then_resume_on_one(small_corpus, tmp_path):
+def test_two_processes_then_resume_on_one(small_corpus, tmp_path, s3):
+    """Two processes save a checkpoint to the local S3 server together (each its own shards, process 0
+    commits); one process resumes from it with the same losses as a run that never stopped."""
+    url = s3.bucket(f"stencil-mp-{os.getpid()}") + "/ck"
     t0 = time.perf_counter()  # first, so the tokenizer and CPU peak are cached for the subprocesses
     straight = train.main(tiny_cfg(small_corpus, tmp_path / "single"))
     t_single = time.perf_counter() - t0
@@ -67,16 +71,18 @@ def test_two_processes_then_resume_on_one(small_corpus, tmp_path):
     mp_dir = tmp_path / "mp"
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, LOCAL, "--nproc", "2", "--devices", "4", "--variant", "dense", "--",
-                        *TINY, "--stop_at", "2", "--data.source", small_corpus, "--run_dir", str(mp_dir)],
+                        *TINY, "--stop_at", "2", "--data.source", small_corpus, "--run_dir", str(mp_dir),
+                        "--checkpoint_dir", url],
                        env=sub_env(), capture_output=True, text=True, timeout=400)
     t_mp = time.perf_counter() - t0
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert "[p1] stencil: distributed (explicit): process 1 of 2, 4 local / 8 global devices" in r.stdout
     assert "mesh {'data': 8, 'model': 1}" in r.stdout
-    assert os.path.isdir(mp_dir / "checkpoints" / "step_00000002")
+    [saved] = checkpoint.all_checkpoints(url)
+    assert saved.endswith("/step_00000002") and checkpoint.verify(saved, checksums=True) == []
     assert sorted(losses(mp_dir)) == [1, 2]
 
-    resumed = train.main(tiny_cfg(small_corpus, mp_dir, resume=True))  # one process, 8 devices (conftest)
+    resumed = train.main(tiny_cfg(small_corpus, mp_dir, resume=True, checkpoint_dir=url))  # one process, 8 devices
     assert sorted(resumed["losses"]) == [3, 4]
     got, want = losses(mp_dir), losses(tmp_path / "single")
     assert sorted(got) == sorted(want) == [1, 2, 3, 4]
@@ -321,6 +327,35 @@ def test_slurm_script_requeues_on_75_and_70_only(tmp_path, capsys):
     r, srun, scontrol = run(75, restarts=1)
     assert srun.endswith("--run_dir runs/dense-42 --resume true"), srun
     assert "resuming from its newest checkpoint" in r.stdout and scontrol == ["requeue 42"]
+
+
+def test_slurm_script_resumes_from_a_checkpoint_dir_on_s3(tmp_path, s3, capsys):
+    """With --checkpoint_dir s3://..., the script lists the bucket (python -m shared.checkpoint list):
+    no --resume before a committed checkpoint is there, --resume true after, and a store it cannot
+    list stops the job instead of starting the run over."""
+    url = s3.bucket(f"stencil-launch-{os.getpid()}") + "/ck"
+    job = tmp_path / "job.sbatch"
+    assert slurm.main(["--workdir", ROOT, "-o", str(job), "--", "--run_dir", str(tmp_path / "run"),
+                       "--checkpoint_dir", url]) == 0
+    capsys.readouterr()
+    path = _stubs(tmp_path, ["srun", "scontrol"])
+
+    def run(**extra):
+        (tmp_path / "srun.calls").unlink(missing_ok=True)
+        env = dict(os.environ, PATH=os.pathsep.join([path, os.path.dirname(sys.executable), os.environ["PATH"]]),
+                   SLURM_JOB_ID="7", SRUN_RC="0", **extra)
+        r = subprocess.run(["bash", str(job)], env=env, capture_output=True, text=True, timeout=120)
+        return r, _calls(tmp_path, "srun")
+
+    r, [srun] = run()
+    assert r.returncode == 0 and "no checkpoint yet" in r.stdout and "--resume" not in srun, (r.stdout, r.stderr)
+    checkpoint._store(url + "/step_00000003").write("arrays/w/zarr.json", b"{}").result()  # partial: no commit record
+    assert "--resume" not in run()[1][0]
+    checkpoint.save(url, 2, {"w": jnp.ones((4,))}, {})
+    r, [srun] = run()
+    assert srun.endswith(f"--checkpoint_dir {url} --resume true") and "resuming from its newest" in r.stdout, srun
+    r, calls = run(AWS_ENDPOINT_URL_S3="http://127.0.0.1:9", AWS_ENDPOINT_URL="http://127.0.0.1:9")  # nothing there
+    assert r.returncode == 1 and calls == [] and f"cannot list the checkpoints in {url}" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("kind", ["jobset", "job"])

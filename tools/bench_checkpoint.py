@@ -5,8 +5,9 @@ S3 server (moto, tools/local_objstore.py).
 For one dense train state (params + AdamW moments + step) it interleaves, round after round in
 one process:
   sync   checkpoint.save(): the whole save, committed (what the loop waited for before)
-  block  Saver.save(): the part the loop waits for (finiteness check, clearing the step's name,
-         device-to-host copy of this process's shards); the rest runs on a thread
+  block  Saver.save(): the part the loop waits for (clearing the step's name, device-to-host copy
+         of this process's shards); the rest (finiteness check of the copy, writes) runs on a thread.
+         One Saver per store for all rounds, as in train.py (its host buffers are reused)
   steps  `--steps-per-round` train steps with no save, then as many right after Saver.save()
          returns, while the write runs (each step waited for, so its time is its own)
 and prints medians: block / sync (goal <= 20%), and step time during a save / without one, with
@@ -84,6 +85,7 @@ def main(argv=None):
                 where = os.path.join(tmp, "ck") if store == "local" else s3.bucket("stencil-bench") + "/ck"
                 sync, block, quiet, busy, overlap = [], [], [], [], []
                 step_no = 0
+                saver = checkpoint.Saver()  # one per run, as in train.py: its host buffers are reused by every save
                 for r in range(args.rounds):
                     step_no += 1
                     t = time.perf_counter()
@@ -93,7 +95,6 @@ def main(argv=None):
                         t = time.perf_counter()
                         state = one_step(state)
                         quiet.append(time.perf_counter() - t)
-                    saver = checkpoint.Saver()
                     step_no += 1
                     t = time.perf_counter()
                     saver.save(where, step_no, state, {"round": r}, keep=1)

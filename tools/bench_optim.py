@@ -4,6 +4,7 @@
     python tools/bench_optim.py                                  # step share, dense, CPU default + larger
     python tools/bench_optim.py --variant moe_hero --repeats 10
     python tools/bench_optim.py --sweep --sweep_steps 220 --lrs 1e-3,3e-3,1e-2   # + final-loss table
+    python tools/bench_optim.py --configs '' --sweep --rows sweep.jsonl           # sweep only, resumable
 
 Step share: in one process, per optimizer and config, the median wall time of the jitted train step
 (forward, backward, optimizer, on all devices) and of the optimizer alone (update + apply on the same
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -82,18 +84,33 @@ def step_share(train, cfg, repeats: int) -> tuple[float, float]:
     return t_step, t_opt
 
 
-def sweep(variant: str, names, lrs, steps: int, work: str) -> list[dict]:
+def sweep(variant: str, names, lrs, steps: int, work: str, rows_file: str = "") -> list[dict]:
+    """One train.main run per optimizer and learning rate. With `rows_file`, each finished run is
+    appended to it as a JSON line and a run already there is not repeated (an interrupted sweep resumes)."""
+    done = {}
+    if rows_file and os.path.exists(rows_file):
+        with open(rows_file) as f:
+            for line in f:
+                r = json.loads(line)
+                done[(r["variant"], r["optimizer"], r["lr"], r["steps"])] = r
     rows = []
     for name in names:
         for lr in lrs:
+            if (variant, name, lr, steps) in done:
+                rows.append(done[(variant, name, lr, steps)])
+                print(f"sweep {variant} {name} lr {lr:g}: from {rows_file}", flush=True)
+                continue
             train = load(os.path.join(ROOT, "variants", variant, "train.py"))
             cfg = train.TrainConfig(optimizer=name, lr=lr, steps=steps, eval_every=steps, log_every=steps,
                                     save_every=0, wandb="disabled", sample_tokens=0,
                                     run_dir=os.path.join(work, f"{variant}-{name}-{lr:g}"))
             t = time.perf_counter()
             out = train.main(cfg)
-            rows.append({"variant": variant, "optimizer": name, "lr": lr, "loss": out["losses"][steps],
+            rows.append({"variant": variant, "optimizer": name, "lr": lr, "steps": steps, "loss": out["losses"][steps],
                          "val_loss": out["val_loss"], "s": time.perf_counter() - t})
+            if rows_file:
+                with open(rows_file, "a") as f:
+                    f.write(json.dumps(rows[-1]) + "\n")
             print(f"sweep {variant} {name} lr {lr:g}: loss {rows[-1]['loss']:.4f} val {rows[-1]['val_loss']:.4f} "
                   f"({rows[-1]['s']:.0f} s)", flush=True)
     return rows
@@ -109,6 +126,8 @@ def main(argv=None) -> None:
     ap.add_argument("--sweep_variants", default="dense,moe_hero")
     ap.add_argument("--sweep_steps", type=int, default=220, help="steps per sweep run (220 = the CPU default)")
     ap.add_argument("--lrs", default="1e-3,3e-3,1e-2", help="learning rates of the sweep")
+    ap.add_argument("--rows", default="", help="sweep: append each run's result here (JSON lines) and skip "
+                    "runs already in it, so that an interrupted sweep resumes")
     ap.add_argument("--out", default="", help="also write the tables (Markdown) here")
     args = ap.parse_args(argv)
     names = [n for n in args.optimizers.split(",") if n]
@@ -128,7 +147,7 @@ def main(argv=None) -> None:
             base, model=dataclasses.replace(base.model, **LARGER))
     lines = [f"Optimizer step share, {args.variant}, {len(jax.devices())} {jax.devices()[0].platform} device(s), "
              f"median of {args.repeats}", "",
-             "| config | optimizer | train step (ms) | optimizer alone (ms) | share |", "|---|---|---|---|---|"]
+             "| config | optimizer | train step (ms) | optimizer alone (ms) | share |", "|---|---|---|---|---|"] if configs else []
     for label, cfg in configs.items():
         for name in names:
             t_step, t_opt = step_share(train, dataclasses.replace(cfg, optimizer=name), args.repeats)
@@ -137,7 +156,7 @@ def main(argv=None) -> None:
     if args.sweep:
         lrs = [float(x) for x in args.lrs.split(",")]
         with tempfile.TemporaryDirectory(prefix="bench-optim-") as work:
-            rows = [r for v in args.sweep_variants.split(",") for r in sweep(v, names, lrs, args.sweep_steps, work)]
+            rows = [r for v in args.sweep_variants.split(",") for r in sweep(v, names, lrs, args.sweep_steps, work, args.rows)]
         lines += ["", f"Learning-rate sweep: loss at step {args.sweep_steps} (CPU default, seed 0); * = best lr", "",
                   "| variant | optimizer | " + " | ".join(f"lr {x:g}" for x in lrs) + " | best lr | val_loss at best |",
                   "|---|---|" + "---|" * len(lrs) + "---|---|"]
