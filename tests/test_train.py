@@ -2,6 +2,7 @@
 counts, gradient accumulation, early config errors, clear data errors, NaN handling, the
 kernels a run used in its config.json, and a default warmup that fits any run length."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -58,6 +59,13 @@ def test_fresh_run_refuses_to_overwrite_checkpoints(small_corpus, tmp_path):
         train.main(small(small_corpus, tmp_path, steps=4, save_every=0, resume=True,
                          model=model.ModelConfig(vocab_size=512, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2,
                                                  head_dim=16, d_ff=128)))
+    # another optimizer, or the weight average turned on: a clear refusal, not a leaf mismatch
+    with pytest.raises(train.TrainingError, match=r"holds the state of --optimizer adamw, and this run asks for "
+                                                  r"--optimizer muon.*resume with --optimizer adamw"):
+        train.main(small(small_corpus, tmp_path, steps=4, save_every=0, resume=True, optimizer="muon"))
+    with pytest.raises(train.TrainingError, match=r"saved with --optim.ema 0.0 and this run asks for --optim.ema 0.9"):
+        train.main(small(small_corpus, tmp_path, steps=4, save_every=0, resume=True,
+                         optim=dataclasses.replace(train.TrainConfig().optim, ema=0.9)))
 
 
 def _batch(cfg, mesh, accum):

@@ -355,6 +355,15 @@ def main(cfg: TrainConfig) -> dict:
             if diff:
                 raise TrainingError(f"--resume: the data stream differs from {last}'s: {diff} (saved, now). A changed "
                                     "corpus, tokenizer or seq_len would change the data or the meaning of token ids")
+            if saved.get("optimizer", "adamw") != cfg.optimizer:  # another optimizer state: its tree does not match
+                raise TrainingError(f"--resume: {last} holds the state of --optimizer {saved.get('optimizer', 'adamw')}, "
+                                    f"and this run asks for --optimizer {cfg.optimizer}: an optimizer state does not "
+                                    f"carry over to another optimizer; resume with --optimizer "
+                                    f"{saved.get('optimizer', 'adamw')}")
+            if (saved.get("optim", {}).get("ema", 0.0) > 0) != (cfg.optim.ema > 0):  # the average is in the state or not
+                raise TrainingError(f"--resume: {last} was saved with --optim.ema {saved.get('optim', {}).get('ema', 0.0)}"
+                                    f" and this run asks for --optim.ema {cfg.optim.ema}: a weight average can be "
+                                    "retuned on resume, not turned on or off")
             if saved_meta["step"] >= (cfg.stop_at or cfg.steps):
                 raise TrainingError(f"--resume: {last} is at step {saved_meta['step']}, and this run ends at step "
                                     f"{cfg.stop_at or cfg.steps} (--steps / --stop_at): nothing to train")
