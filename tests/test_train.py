@@ -12,8 +12,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from shared import checkpoint, data
 from shared.variant import ROOT, load
