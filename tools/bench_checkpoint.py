@@ -111,8 +111,8 @@ def main(argv=None):
                 med = statistics.median
                 rows.append((store, med(sync), med(block), med(quiet), med(busy) if busy else float("nan"),
                              sum(overlap) / len(overlap)))
-    print(f"\n| store | sync save | async: loop blocked | blocked / sync | step without save | step during save "
-          f"| during / without | steps that overlapped the write |\n|---|---|---|---|---|---|---|---|")
+    print("\n| store | sync save | async: loop blocked | blocked / sync | step without save | step during save "
+          "| during / without | steps that overlapped the write |\n|---|---|---|---|---|---|---|---|")
     for store, s, b, q, bz, ov in rows:
         print(f"| {store} | {s:.3f} s | {b:.3f} s | **{b / s:.1%}** | {q * 1e3:.0f} ms | {bz * 1e3:.0f} ms "
               f"| {bz / q:.2f}x | {ov:.0%} |")
