@@ -5,6 +5,7 @@
     python tools/bench_optim.py --variant moe_hero --repeats 10
     python tools/bench_optim.py --sweep --sweep_steps 220 --lrs 1e-3,3e-3,1e-2   # + final-loss table
     python tools/bench_optim.py --configs '' --sweep --rows sweep.jsonl           # sweep only, resumable
+    python tools/bench_optim.py --configs '' --table --rows sweep.jsonl           # the table of every run in it
 
 Step share: in one process, per optimizer and config, the median wall time of the jitted train step
 (forward, backward, optimizer, on all devices) and of the optimizer alone (update + apply on the same
@@ -116,6 +117,26 @@ def sweep(variant: str, names, lrs, steps: int, work: str, rows_file: str = "") 
     return rows
 
 
+def sweep_table(rows: list[dict]) -> list[str]:
+    """Markdown: per variant, optimizer and run length, the loss at the last step and val_loss for each
+    learning rate tried (* = the best last-step loss; the lowest learning rate first)."""
+    out = ["Learning-rate sweep (CPU default model, batch and data, seed 0): loss at the last step / val_loss "
+           "per learning rate; * = best", "",
+           "| variant | steps | optimizer | loss / val_loss at each learning rate | best lr | val_loss at best |",
+           "|---|---|---|---|---|---|"]
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["variant"], r["steps"], r["optimizer"]), {})[r["lr"]] = r
+    order = {n: i for i, n in enumerate(optim.OPTIMIZERS)}
+    for (v, steps, name) in sorted(groups, key=lambda k: (k[0], k[1], order.get(k[2], 99))):
+        rs = [groups[(v, steps, name)][lr] for lr in sorted(groups[(v, steps, name)])]
+        best = min(rs, key=lambda r: r["loss"])
+        cells = ", ".join(f"{r['lr']:g}: {r['loss']:.3f} / {r['val_loss']:.3f}" + ("*" if r is best else "")
+                          for r in rs)
+        out.append(f"| {v} | {steps} | {name} | {cells} | {best['lr']:g} | {best['val_loss']:.3f} |")
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variant", default="dense", help="folder under variants/ for the step share (default dense)")
@@ -128,6 +149,7 @@ def main(argv=None) -> None:
     ap.add_argument("--lrs", default="1e-3,3e-3,1e-2", help="learning rates of the sweep")
     ap.add_argument("--rows", default="", help="sweep: append each run's result here (JSON lines) and skip "
                     "runs already in it, so that an interrupted sweep resumes")
+    ap.add_argument("--table", action="store_true", help="print the sweep table of every run in --rows")
     ap.add_argument("--out", default="", help="also write the tables (Markdown) here")
     args = ap.parse_args(argv)
     names = [n for n in args.optimizers.split(",") if n]
@@ -157,15 +179,12 @@ def main(argv=None) -> None:
         lrs = [float(x) for x in args.lrs.split(",")]
         with tempfile.TemporaryDirectory(prefix="bench-optim-") as work:
             rows = [r for v in args.sweep_variants.split(",") for r in sweep(v, names, lrs, args.sweep_steps, work, args.rows)]
-        lines += ["", f"Learning-rate sweep: loss at step {args.sweep_steps} (CPU default, seed 0); * = best lr", "",
-                  "| variant | optimizer | " + " | ".join(f"lr {x:g}" for x in lrs) + " | best lr | val_loss at best |",
-                  "|---|---|" + "---|" * len(lrs) + "---|---|"]
-        for v in args.sweep_variants.split(","):
-            for name in names:
-                rs = [r for r in rows if r["variant"] == v and r["optimizer"] == name]
-                best = min(rs, key=lambda r: r["loss"])
-                cells = [f"{r['loss']:.4f}" + ("*" if r is best else "") for r in rs]
-                lines.append(f"| {v} | {name} | " + " | ".join(cells) + f" | {best['lr']:g} | {best['val_loss']:.4f} |")
+        lines += [""] + sweep_table(rows)
+    if args.table:
+        if not args.rows or not os.path.exists(args.rows):
+            sys.exit("error: --table prints the sweep table of the --rows file; give an existing one")
+        with open(args.rows) as f:
+            lines += [""] + sweep_table([json.loads(line) for line in f])
     text = "\n".join(lines)
     print("\n" + text)
     if args.out:
