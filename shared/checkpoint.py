@@ -646,7 +646,14 @@ def main(argv=None) -> int:
     ls.add_argument("--quiet", action="store_true", help="print nothing; the exit code says it")
     args = ap.parse_args(argv)
     global REQUEST_RETRIES
-    REQUEST_RETRIES = {"max_retries": 5, "initial_delay": "0.5s", "max_delay": "5s"}  # an answer within ~15 s
+    before, REQUEST_RETRIES = REQUEST_RETRIES, {"max_retries": 5, "initial_delay": "0.5s", "max_delay": "5s"}
+    try:  # an answer within about 15 s, also from a store that does not answer
+        return _list(args)
+    finally:
+        REQUEST_RETRIES = before
+
+
+def _list(args) -> int:
     why = location_error(args.directory)
     if why:
         print(f"error: {why}", file=sys.stderr)
