@@ -64,7 +64,8 @@ def test_gpu_benchmark_runs_a_job_and_prints_the_table(tmp_path):
     table = (tmp_path / "table.md").read_text()
     assert "| dense | (CPU default) | reference |" in table and "| n/a |" in table
 
-    p = run(GPU, "--jobs", "dense:", "--no-selfcheck", "--job-timeout", "3", "--flags", flags, "--out", str(tmp_path))
+    p = run(GPU, "--jobs", "dense:", "--no-selfcheck", "--job-timeout", "3", "--steps", "100000", "--flags", flags,
+            "--out", str(tmp_path))  # far more steps than 3 s allow, even with a warm compilation cache
     assert p.returncode == 1
     assert json.loads(open(tmp_path / "results.jsonl").readline())["status"].startswith("timeout")
     assert "| dense | (CPU default) | reference |" in p.stdout
