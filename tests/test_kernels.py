@@ -144,6 +144,37 @@ def test_cross_entropy_on_a_mesh(vocab, chunks):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("mesh_shape,vocab,gathers", [((4, 2), None, True), ((4, 2), "model", False),
+                                                     ((8, 1), "model", True)],
+                         ids=["whole-rows", "vocab-split", "vocab-over-model-of-1"])
+def test_cross_entropy_gathers_the_target_logit_unless_the_vocabulary_is_split(mesh_shape, vocab, gathers):
+    """The cheap formulation (a gather of the target logit) wherever each device holds whole
+    vocabulary rows, including a vocabulary sharded over a `model` axis of size 1, as on one
+    device: the masked sum there made the CPU default's train step about 1.1x slower. The masked
+    sum only where the vocabulary is split between devices. Losses and gradients equal full logits."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    rng = np.random.default_rng(2)
+    B, T, D, V = 8, 4, 16, 64
+    h = rng.standard_normal((B, T, D)).astype(np.float32)
+    w = (rng.standard_normal((D, V)) * 0.3).astype(np.float32)
+    t = rng.integers(0, V, (B, T)).astype(np.int32)
+    m = np.ones((B, T), np.float32)
+    logits = h @ w
+    want = np.sum(jax.nn.logsumexp(logits, -1) - np.take_along_axis(logits, t[..., None], -1)[..., 0])
+    mesh = jax.make_mesh(mesh_shape, ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    with jax.set_mesh(mesh):
+        put = lambda x, *s: jax.device_put(x, NamedSharding(mesh, P(*s)))  # noqa: E731
+        ts, ms = put(t, "data"), put(m, "data")
+        loss = jax.jit(jax.value_and_grad(lambda h, w: kernels.cross_entropy(h, w, ts, ms)[0], (0, 1)))
+        args = put(h, "data"), put(w, None, vocab)
+        text = loss.lower(*args).as_text()
+        got, _ = loss(*args)
+    assert ("gather" in text) == gathers, text
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
 def test_cross_entropy_one_chunk_does_not_recompute_the_logits():
     """With one chunk, the backward pass reuses the forward's logits: one [.., V] matmul forward and
     two backward (for h and for w), not a fourth recomputing them."""
@@ -163,3 +194,23 @@ def test_cross_entropy_holds_one_chunk_of_logits():
     loss = lambda h, w: kernels.cross_entropy(h, w, t, m, max_logits=B * 16 * V)[0]  # noqa: E731
     mem = jax.jit(jax.grad(loss, (0, 1))).lower(h, w).compile().memory_analysis()
     assert mem.temp_size_in_bytes < full_bytes / 4, (mem.temp_size_in_bytes, full_bytes)
+
+
+def test_split_tells_an_axis_divided_between_devices_from_one_over_a_mesh_axis_of_one():
+    """Backends refuse or pick a formulation by whether an axis is divided between devices; an
+    axis sharded over a size-1 mesh axis is whole on each device (one device's `model` of 1)."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from shared.kernels.dispatch import split
+
+    x = np.zeros((8, 4), np.float32)
+    assert not split(jnp.asarray(x), 0)  # no mesh
+    for shape, want in [((4, 2), [True, True]), ((8, 1), [True, False]), ((1, 1), [False, False])]:
+        mesh = jax.make_mesh(shape, ("data", "model"), axis_types=(AxisType.Explicit,) * 2,
+                             devices=jax.devices()[:shape[0] * shape[1]])
+        with jax.set_mesh(mesh):
+            xs = jax.device_put(x, NamedSharding(mesh, P("data", "model")))
+            assert [split(xs, 0), split(xs, -1)] == want, shape
+            both = jax.device_put(x, NamedSharding(mesh, P(("data", "model"), None)))
+            assert split(both, 0) == (shape != (1, 1)) and not split(both, 1), shape

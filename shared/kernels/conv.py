@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from shared.kernels.dispatch import Backend, KernelError, choose, missing, not_nvidia_gpu, per_shard, spec
+from shared.kernels.dispatch import Backend, KernelError, choose, missing, not_nvidia_gpu, per_shard, spec, split
 
 BLOCK_T, BLOCK_C = 32, 64
 
@@ -117,6 +117,6 @@ def short_conv(x, w, docs=None, *, backend="auto"):
         docs = jnp.zeros((B, T), jnp.int32)
     if docs.shape != (B, T):
         raise ConvError(f"docs must be [B, T] = {(B, T)}, got {docs.shape}")
-    call = Call(tuple(x.shape), w.shape[0], spec(x)[1] is not None)
+    call = Call(tuple(x.shape), w.shape[0], split(x, 1))
     b = choose("short_conv", BACKENDS, call, backend, error=ConvError, key=f"x{call.x_shape} W={call.taps}")
     return b.run(x, w, docs)

@@ -24,8 +24,11 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from jax.sharding import reshard
 
-from shared.kernels.dispatch import Backend, KernelError, choose, missing, not_nvidia_gpu, per_shard, spec, torch_call
+from shared.kernels.dispatch import (Backend, KernelError, choose, missing, not_nvidia_gpu, per_shard, spec, split,
+                                     torch_call)
 
 # Largest number of logits (batch * chunk * vocab) materialised at once, before sharding.
 MAX_LOGITS = 2**27
@@ -54,12 +57,18 @@ def _rows_reference(logits, targets):
     """fp32 logits [..., V], targets [...] -> (loss = lse - target logit, lse), each [...].
 
     The target logit is a gather where each device holds whole vocabulary rows: XLA then
-    writes the logits' gradient once (softmax, minus one at the target). Logits sharded
-    over the vocabulary (`model`) take it as a masked sum instead, which each shard
-    computes on its own slice before one all-reduce; a gather there would need the whole row.
+    writes the logits' gradient once (softmax, minus one at the target). That includes a
+    vocabulary "sharded" over a `model` axis of size 1, whose sharding is dropped first (no
+    data moves). Logits split over the vocabulary between devices take it as a masked sum
+    instead, which each shard computes on its own slice before one all-reduce; a gather there
+    would need the whole row. The masked sum costs more: on CPU it made the whole train step
+    about 1.1x slower at the CPU default (tools/bench_step.py).
     """
     lse = jax.nn.logsumexp(logits, axis=-1)
-    if spec(logits)[-1] is None:
+    if not split(logits, -1):
+        s = spec(logits)
+        if s[-1] is not None:
+            logits = reshard(logits, P(*s[:-1], None))
         target = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     else:
         hit = jnp.arange(logits.shape[-1]) == targets[..., None]
@@ -157,11 +166,11 @@ def cross_entropy(hidden, w_out, targets, mask, *, max_logits=MAX_LOGITS, backen
     V = w_out.shape[1]
     c = _chunk_len(B, T, V, max_logits)
     n = T // c
-    call = Call((B, c, V), spec(w_out)[-1] is not None)
+    call = Call((B, c, V), split(w_out, -1))
     rows = choose("cross_entropy", BACKENDS, call, backend, error=CrossEntropyError,
                   key=f"logits chunk {call.logits_shape}").run
 
-    def split(x):  # [B, T, ...] -> [n, B, c, ...]
+    def by_chunk(x):  # [B, T, ...] -> [n, B, c, ...]
         return jnp.moveaxis(x.reshape(B, n, c, *x.shape[2:]), 1, 0)
 
     def chunk(carry, xs):
@@ -176,7 +185,7 @@ def cross_entropy(hidden, w_out, targets, mask, *, max_logits=MAX_LOGITS, backen
         (nll, zsq), _ = chunk((zero, zero), (hidden, targets, mask.astype(jnp.float32)))
         return nll, zsq
     (nll, zsq), _ = jax.lax.scan(jax.checkpoint(chunk), (zero, zero),
-                                 (split(hidden), split(targets), split(mask.astype(jnp.float32))))
+                                 (by_chunk(hidden), by_chunk(targets), by_chunk(mask.astype(jnp.float32))))
     return nll, zsq
 
 

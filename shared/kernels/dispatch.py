@@ -46,6 +46,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -193,6 +194,17 @@ def spec(x):
     """The PartitionSpec of x under an explicit mesh, padded with None (all None without a mesh)."""
     s = tuple(jax.typeof(x).sharding.spec) if not jax.sharding.get_abstract_mesh().empty else ()
     return s + (None,) * (x.ndim - len(s))
+
+
+def split(x, dim: int) -> bool:
+    """Whether axis `dim` of x is divided between devices: sharded over mesh axes whose sizes
+    multiply to more than 1. An axis sharded over a size-1 mesh axis (a `model` axis of 1 on
+    one device) is whole on every device, and backends treat it as unsharded."""
+    s = spec(x)[dim]
+    if s is None:
+        return False
+    sizes = jax.sharding.get_abstract_mesh().shape
+    return math.prod(sizes[a] for a in (s if isinstance(s, tuple) else (s,))) > 1
 
 
 def named(*s):

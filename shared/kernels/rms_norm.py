@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from shared.kernels.dispatch import Backend, KernelError, choose, missing, not_nvidia_gpu, per_shard, spec, torch_call
+from shared.kernels.dispatch import (Backend, KernelError, choose, missing, not_nvidia_gpu, per_shard, spec, split,
+                                     torch_call)
 
 
 class NormError(KernelError):
@@ -121,5 +122,5 @@ def rms_norm(x, w, *, eps: float = 1e-5, backend: str = "auto"):
     """RMSNorm over the last axis (see the module docstring); the output has x's dtype."""
     if w.shape != x.shape[-1:]:
         raise NormError(f"weight must be [{x.shape[-1]}] for x {x.shape}, got {w.shape}")
-    call = Call(tuple(x.shape), jnp.dtype(x.dtype), spec(x)[-1] is not None)
+    call = Call(tuple(x.shape), jnp.dtype(x.dtype), split(x, -1))
     return choose("rms_norm", BACKENDS, call, backend, error=NormError, key=f"x{call.x_shape}").run(x, w, eps=eps)
