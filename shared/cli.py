@@ -15,6 +15,7 @@ with "process i failed: ...".
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -23,8 +24,22 @@ import sys
 import typing
 
 import draccus
+from draccus.argparsing import ArgumentParser
+from draccus.help_formatter import SimpleHelpFormatter
 
 from shared import distributed
+
+
+class HelpFormatter(SimpleHelpFormatter):
+    """draccus's help layout, with a field's help text taken literally. argparse expands help strings
+    with `%` formatting, so a comment such as `(i+1) % global_every` would crash `--help`; the text is
+    escaped here, where help is built, so that no comment has to avoid `%`."""
+
+    def _expand_help(self, action):
+        if action.help and "%" in action.help:
+            action = copy.copy(action)
+            action.help = action.help.replace("%", "%%")
+        return super()._expand_help(action)
 
 
 def presets(variant_dir: str) -> dict[str, str]:
@@ -115,7 +130,9 @@ def parse(config_cls, variant_dir: str, argv: list[str] | None = None):
         print(f"presets (--preset NAME, from {os.path.relpath(variant_dir)}/presets/): "
               f"{', '.join(known) or 'none'}; no preset = the built-in CPU default\n")
     try:
-        config = draccus.parse(config_cls, config_path=known.get(preset), args=_quote_strings(config_cls, argv))
+        parser = ArgumentParser(config_cls, config_path=known.get(preset), formatter_class=HelpFormatter,
+                                exit_on_error=True)
+        config = parser.parse_args(_quote_strings(config_cls, argv))
     except draccus.utils.ParsingError as e:
         sys.exit(f"error: invalid configuration: {_flag_error(e)}")
     distributed.install_failure_hook()

@@ -160,6 +160,30 @@ def test_a_bad_flag_names_itself(tmp_path):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+def test_help_lists_every_field(variant, capsys):
+    """`train.py --help` (the README's first command) prints every field with its help and the presets.
+    Field comments are free text: a `%` in one (`(i+1) % global_every`) once crashed argparse's help."""
+    _, train = modules(variant)
+    with pytest.raises(SystemExit) as e:
+        cli.parse(train.TrainConfig, os.path.join(ROOT, variant), ["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code in (0, None), f"{variant}: --help exited with {e.value.code}"
+    missing = [dotted for _, _, _, dotted in config_fields(train.TrainConfig) if f"--{dotted} " not in out]
+    assert not missing, f"{variant}: --help does not list {missing}"
+    assert "presets (--preset NAME" in out
+
+
+def test_help_text_is_taken_literally():
+    """A help text with `%`, `%(default)s`-like and `%d` pieces prints as written, not formatted."""
+    import argparse
+
+    p = argparse.ArgumentParser(formatter_class=cli.HelpFormatter)
+    p.add_argument("--x", type=int, default=3, help="layer i is global iff (i+1) % every; 50%% %d %(prog)s")
+    text = " ".join(p.format_help().split())
+    assert "iff (i+1) % every; 50%% %d %(prog)s (default: 3)" in text, text
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_lineage(variant):
     model, _ = modules(variant)
     parent = model.COPIED_FROM
