@@ -77,14 +77,16 @@ import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 
+from shared.errors import StencilError
+
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _LEFTOVER = re.compile(r"^step_(\d{8})\.(tmp|deleting)$")  # left by the older rename-based protocol
 COMMIT = "metadata.json"  # the commit record: a checkpoint is complete iff it exists
 COMMIT_TIMEOUT_S = 3600.0  # how long process 0 waits for the other processes' files.p<i>.json
 
 
-class CheckpointError(RuntimeError):
-    pass
+class CheckpointError(StencilError, RuntimeError):
+    """A checkpoint that is missing, damaged, or cannot be written; the message names it."""
 
 
 def _sync(name: str) -> None:

@@ -50,6 +50,7 @@ import numpy as np
 from tqdm import tqdm
 
 from shared import tokenstore
+from shared.config import check
 from shared.tokenstore import DataError, TokenStore  # noqa: F401  (DataError is data.DataError)
 
 FORMAT_VERSION = 2
@@ -61,8 +62,7 @@ NAME = re.compile(r"^([A-Za-z_][A-Za-z0-9_.-]*)=(.+)$")
 
 
 def _check(ok: bool, name: str, why: str) -> None:
-    if not ok:
-        raise DataError(f"data.{name}: {why}")
+    check(ok, f"data.{name}", why, DataError)
 
 
 @dataclass(frozen=True)

@@ -40,12 +40,14 @@ import time
 import jax
 import numpy as np
 
+from shared.errors import StencilError
+
 EXIT_PREEMPTED = 75
 EXIT_HUNG = 70
 
 
-class RunLockError(RuntimeError):
-    pass
+class RunLockError(StencilError, RuntimeError):
+    """The run directory (or checkpoint directory) is held by another run."""
 
 
 _HELD: list = []  # this process's locks: released before an os._exit too (a second signal, the watchdog)

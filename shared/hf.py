@@ -35,9 +35,10 @@ import numpy as np
 from tqdm import tqdm
 
 from shared import checkpoint, data
+from shared.errors import StencilError
 
 
-class HFError(ValueError):
+class HFError(StencilError, ValueError):
     """A Hugging Face directory or option that cannot be converted; the message names the field or file."""
 
 

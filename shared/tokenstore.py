@@ -35,12 +35,14 @@ import uuid
 
 import numpy as np
 
+from shared.errors import StencilError
+
 FORMAT = "stencil-token-store"
 VERSION = 1
 URL_SCHEMES = ("file://", "gs://", "s3://", "http://", "https://", "memory://")
 
 
-class DataError(ValueError):
+class DataError(StencilError, ValueError):
     """Bad data input: the message names the file and the cause."""
 
 
