@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm import tqdm
 
-from shared import tokenstore
+from shared import objstore, tokenstore
 from shared.config import check
 from shared.tokenstore import DataError, TokenStore  # noqa: F401  (DataError is data.DataError)
 
@@ -432,9 +432,9 @@ def load_tokenizer(path: str):
     """(tokenizer, its digest) from a tokenizer.json path or URL. The digest is the sha256 of the file
     `Tokenizer.save` writes (for such a file, of its bytes), so a copy saved by a run matches the original."""
     from tokenizers import Tokenizer
-    if tokenstore.is_url(path):
+    if objstore.is_url(path):
         head, _, key = path.rpartition("/")
-        raw = tokenstore.Folder(head).read(key)
+        raw = objstore.Folder(head, DataError).read(key)
     else:
         raw = open(path, "rb").read() if os.path.isfile(path) else None
     if raw is None:
@@ -486,7 +486,7 @@ def _build_store(path: str, write) -> TokenStore:
     if not os.path.exists(os.path.join(path, "manifest.json")):
         tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
-            write(tokenstore.Folder(tmp))
+            write(objstore.Folder(tmp, DataError))
             try:
                 os.rename(tmp, path)
             except OSError:  # built meanwhile by another process
@@ -539,7 +539,7 @@ def whole(store: TokenStore, name: str) -> Stream:
 # ---------------------------------------------------------------- opening sources
 
 def _is_store(spec: str) -> bool:
-    return tokenstore.is_url(spec) or os.path.isfile(os.path.join(os.path.expanduser(spec), "manifest.json"))
+    return objstore.is_url(spec) or os.path.isfile(os.path.join(os.path.expanduser(spec), "manifest.json"))
 
 
 def _text_store(cfg: DataConfig, spec: str, tok, tok_digest: str, vocab_size: int, progress: bool,

@@ -31,7 +31,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from shared import data, tokenstore
+from shared import data, objstore, tokenstore
 from shared.tokenstore import DataError
 
 _worker: dict = {}
@@ -70,7 +70,7 @@ def encode_file(tok, eos: int, vocab_size: int, path: str, text_field: str):
 
 
 def _init_worker(out: str, text_field: str) -> None:
-    folder = tokenstore.Folder(out)
+    folder = objstore.Folder(out, DataError)
     tok, _ = data.load_tokenizer(folder.name("tokenizer.json"))
     _worker.update(folder=folder, tok=tok, eos=data.eos_id_of(tok), vocab=tok.get_vocab_size(), field=text_field)
 
@@ -107,7 +107,7 @@ def run(sources: list[str], out: str, *, tokenizer: str = "", vocab_size: int = 
     files = data.source_files(",".join(sources))
     if any(f.endswith(".npy") for f in files):
         raise DataError("a .npy file is already token ids: pass it to train.py --data.source directly")
-    folder = tokenstore.Folder(out)
+    folder = objstore.Folder(out, DataError)
     if folder.exists("manifest.json"):
         manifest = json.loads(folder.read("manifest.json"))
         if [s["input"] for s in manifest["shards"]] == files:

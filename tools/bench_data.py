@@ -32,7 +32,8 @@ sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
 
-from shared import data, pretokenize, tokenstore  # noqa: E402
+from shared import data, objstore, pretokenize, tokenstore  # noqa: E402
+from shared.tokenstore import DataError  # noqa: E402
 
 
 def rss_mb() -> float:
@@ -119,7 +120,7 @@ def step_rows_s(corpus, steps: int) -> float:
 
 def write_synthetic(path: str, gb: float, vocab: int = 32768, n_shards: int = 8) -> None:
     rng = np.random.default_rng(0)
-    folder = tokenstore.Folder(path)
+    folder = objstore.Folder(path, DataError)
     per = int(gb * 1e9 / 2 / n_shards)
     markers = []
     for k in range(n_shards):
