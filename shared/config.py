@@ -21,6 +21,7 @@ import os
 import typing
 from typing import Callable
 
+from shared import objstore
 from shared.errors import StencilError
 
 
@@ -86,8 +87,13 @@ def path(v) -> str | None:
     return None
 
 
-def no_nul(v) -> str | None:
-    return "contains a NUL byte" if "\0" in v else None
+def step_or_path(v) -> str | None:
+    """--resume_from: "" (none), a positive step, or a checkpoint's path."""
+    if "\0" in v:
+        return "contains a NUL byte"
+    if v.lstrip("-").isdigit() and int(v) <= 0:
+        return f"a step must be positive, got {v}"
+    return None
 
 
 def check_fields(config, rules: dict[str, Rule], prefix: str = "") -> None:
@@ -99,16 +105,22 @@ def check_fields(config, rules: dict[str, Rule], prefix: str = "") -> None:
             check(why is None, prefix + name, why or "")
 
 
-# The range or choices of every field a TrainConfig has in every folder (templates/base/train.py says
-# what each means). What spans fields (grad_accum divides batch_size, warmup < steps) is checked there.
+# The range or choices of the fields every TrainConfig has (templates/base/train.py says what each means) and
+# of those of shared/run.py's RunConfig, which every TrainConfig derives from. What spans fields (grad_accum
+# divides batch_size, warmup < steps) is checked in train.py.
 TRAIN_FIELDS: dict[str, Rule] = {
     "seq_len": at_least(2), "batch_size": positive, "grad_accum": positive, "steps": positive,
     "stop_at": at_least(0), "optimizer": one_of("adamw", "muon", "muonh", "adamh"),
     "lr": positive, "min_lr_ratio": in_range(0, 1), "weight_decay": in_range(0, 1, hi_open=True),
     "beta1": in_range(0, 1, hi_open=True), "beta2": in_range(0, 1, hi_open=True), "grad_clip": at_least(0),
     "mesh_data": lambda v: None if v == -1 or v > 0 else f"must be -1 or positive, got {v}",
-    "mesh_model": positive, "eval_every": at_least(0), "eval_batches": positive, "log_every": positive,
-    "save_every": at_least(0), "keep_checkpoints": positive, "run_dir": path, "resume_from": no_nul,
-    "watchdog_s": at_least(0), "wandb": one_of("auto", "online", "offline", "disabled"),
+    "mesh_model": positive, "eval_every": at_least(0), "eval_batches": positive,
+    "init_from": lambda v: None if v == "" or (v.startswith("hf:") and len(v) > 3) else
+    f"must be '' or hf:DIR (a Hugging Face model directory), got {v!r}",
     "sample_every": at_least(0), "sample_tokens": at_least(0), "seed": at_least(0),
+}
+RUN_FIELDS: dict[str, Rule] = {
+    "log_every": positive, "save_every": at_least(0), "keep_checkpoints": positive, "run_dir": path,
+    "checkpoint_dir": lambda v: v and objstore.location_error(v) or None, "resume_from": step_or_path,
+    "watchdog_s": at_least(0), "wandb": one_of("auto", "online", "offline", "disabled"),
 }
