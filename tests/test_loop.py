@@ -92,11 +92,13 @@ def test_the_loop_uses_the_run(variant, small_corpus, tmp_path, monkeypatch):
         train.main(tiny(train, small_corpus, tmp_path / "b", steps=6, seq_len=16, resume=True))
     with pytest.raises(run.TrainingError, match="resume with --optimizer adamw"):
         train.main(tiny(train, small_corpus, tmp_path / "b", steps=6, resume=True, optimizer="muon"))
-    other = tmp_path / "other.txt"  # another corpus (tokenized with the run's own tokenizer)
-    other.write_text(open(sorted(glob.glob(small_corpus))[0]).read() * 3)
+    other = tmp_path / "other"  # another corpus (tokenized with the run's own tokenizer)
+    other.mkdir()
+    for path in sorted(glob.glob(small_corpus))[:3]:
+        (other / os.path.basename(path)).write_text(open(path).read())
     with pytest.raises(run.TrainingError, match=r"data stream differs.*'corpus'"):
         train.main(tiny(train, small_corpus, tmp_path / "b", steps=6, resume=True,
-                        data=data.DataConfig(source=str(other), val_fraction=0.1)))
+                        data=data.DataConfig(source=str(other / "*.txt"), val_fraction=0.1)))
 
     # a non-finite loss at step 3: stopped without saving, the last good checkpoint named and kept
     def poison(n, state, m):
