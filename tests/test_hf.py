@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
-from shared import checkpoint, data
+from shared import checkpoint, data, sources
 from shared import hf as hfio
 from shared.variant import load
 
@@ -73,7 +73,7 @@ def random_params(variant, cfg, seed=0):
 def tokenizer_file(tmp_path_factory):
     docs = ["def f(x):\n    return x + 1\n" * 40, "class A:\n    pass\n" * 40, "import os\nprint(os.getcwd())\n" * 40]
     path = str(tmp_path_factory.mktemp("tok") / "tokenizer.json")
-    data.train_tokenizer(docs, 512).save(path)
+    sources.train_tokenizer(docs, 512).save(path)
     return path
 
 

@@ -34,7 +34,6 @@ n_heads heads, plus gates), so at the same shape the model is larger; `num_param
 from __future__ import annotations
 
 import math
-import typing
 from dataclasses import dataclass
 
 import jax
@@ -44,31 +43,11 @@ from jax.sharding import reshard
 
 from shared import flops, kernels
 from shared import weights as weights_lib
+from shared.config import ConfigError, check, check_types  # noqa: F401  (model.ConfigError, model.check)
 from shared.weights import Weight, normal, ones, uniform
 from shared.kernels.kda import kda, kda_flops_per_token
 
 COPIED_FROM = "variants/dense"
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot work; the message names the field."""
-
-
-def check(ok: bool, field: str, why: str) -> None:
-    if not ok:
-        raise ConfigError(f"{field}: {why}")
-
-
-def check_types(config, prefix: str = "") -> None:
-    """Every field of a config dataclass holds its declared type (a preset or a Python caller can pass
-    anything): "false" is not a bool, 2.5 not an int; an int is fine where a float is declared."""
-    for name, tp in typing.get_type_hints(type(config)).items():
-        v = getattr(config, name)
-        if tp is float:
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-        else:
-            ok = isinstance(v, tp) and (tp is bool or not isinstance(v, bool))
-        check(ok, prefix + name, f"must be {getattr(tp, '__name__', tp)}, got {v!r}")
 
 
 @dataclass(frozen=True)
