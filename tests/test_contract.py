@@ -571,6 +571,42 @@ def check_step_accumulation(r: TinyRun):
             f"{r.folder}: the loss accumulated over 2 micro-batches ({name}) differs from loss_fn's on the whole batch"))
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_step(variant):
+    check_step(tiny_run(variant))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_causality(variant):
+    check_causality(tiny_run(variant))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_document_isolation(variant):
+    check_document_isolation(tiny_run(variant))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_accumulation_is_exact(variant):
+    r = tiny_run(variant)
+    check_loss_accumulation(r)
+    check_step_accumulation(r)
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "templates/base"])
+def test_shared_weights_start_as_the_parents(variant):
+    """At the same seed, every weight a variant shares with its declared parent (same path, same
+    shape) starts from the same values, so a variant and its parent can be compared from identical
+    starting weights (init derives each weight's key from its name)."""
+    mine, parents = tiny_run(variant), tiny_run(modules(variant)[0].COPIED_FROM)
+    flat = lambda r: {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(r.params_before)[0]}  # noqa: E731
+    a, b = flat(mine), flat(parents)
+    shared = [k for k in a if k in b and a[k].shape == b[k].shape]
+    assert "['embed']" in shared, f"{variant}: shares no embedding with its parent at the tiny config"
+    differ = [k for k in shared if not np.array_equal(a[k], b[k])]
+    assert not differ, f"{variant}: weights shared with its parent start from other values: {differ}"
+
+
 # Decoding: one prompt a row, of these lengths (left-padded to the longest), then DECODE_STEPS greedy tokens;
 # they cross swa_hybrid's and moe_hero's 16-token window and kda's 8-token chunks (CONTRACT_TINY).
 DECODE_LENGTHS = (1, 5, 17, 20, 3, 20, 9, 12)
@@ -626,42 +662,6 @@ def test_a_folder_without_a_cache_is_told_what_to_add():
     with pytest.raises(AssertionError, match=r"lacks cache_specs, init_cache, prefill, decode_step\)\. Add, as "
                                              r"templates/base/model\.py does"):
         check_decoding(r)
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_step(variant):
-    check_step(tiny_run(variant))
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_causality(variant):
-    check_causality(tiny_run(variant))
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_document_isolation(variant):
-    check_document_isolation(tiny_run(variant))
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_accumulation_is_exact(variant):
-    r = tiny_run(variant)
-    check_loss_accumulation(r)
-    check_step_accumulation(r)
-
-
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "templates/base"])
-def test_shared_weights_start_as_the_parents(variant):
-    """At the same seed, every weight a variant shares with its declared parent (same path, same
-    shape) starts from the same values, so a variant and its parent can be compared from identical
-    starting weights (init derives each weight's key from its name)."""
-    mine, parents = tiny_run(variant), tiny_run(modules(variant)[0].COPIED_FROM)
-    flat = lambda r: {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(r.params_before)[0]}  # noqa: E731
-    a, b = flat(mine), flat(parents)
-    shared = [k for k in a if k in b and a[k].shape == b[k].shape]
-    assert "['embed']" in shared, f"{variant}: shares no embedding with its parent at the tiny config"
-    differ = [k for k in shared if not np.array_equal(a[k], b[k])]
-    assert not differ, f"{variant}: weights shared with its parent start from other values: {differ}"
 
 
 def _with_attention_backend(cfg, name):
