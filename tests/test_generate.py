@@ -5,6 +5,7 @@ each bad input, and the command end to end from a trained run directory and from
 directory. That the cache decodes as `forward` computes is the contract's (tests/test_contract.py,
 test_decoding_with_the_cache_is_forward), for every folder."""
 
+import dataclasses
 import json
 import os
 import re
@@ -29,16 +30,22 @@ model = train.model
 
 @pytest.fixture(scope="module")
 def run(small_corpus, tmp_path_factory):
-    """A tiny dense run trained for 4 steps in this process, sampling at its end (train.py's sample(),
-    which goes through shared/generate.py): its run directory, config and final state."""
+    """A run directory as train.py leaves it, without the training: a tiny dense model's initial weights
+    saved as its checkpoint (with train.py's metadata) and the corpus's tokenizer.json."""
     d = tmp_path_factory.mktemp("generate") / "run"
     cfg = train.TrainConfig(
         data=data.DataConfig(source=small_corpus, val_fraction=0.1),
         model=model.ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128),
-        seq_len=32, batch_size=8, steps=4, warmup_steps=1, eval_every=0, eval_batches=1, log_every=2, save_every=0,
-        run_dir=str(d), wandb="disabled", sample_tokens=12, sample_prompt="def ")
-    result = train.main(cfg)
-    return {"dir": str(d), "cfg": cfg, "sample": result["sample"], "params": result["state"]["params"]}
+        seq_len=32, batch_size=8, steps=4, run_dir=str(d), wandb="disabled", sample_prompt="def ")
+    corpus = data.load_corpus(cfg.data, cfg.model.vocab_size, progress=False)
+    os.makedirs(d)
+    corpus.tokenizer.save(str(d / "tokenizer.json"))
+    m = train.make_mesh(cfg)
+    with jax.set_mesh(m):
+        params = jax.jit(lambda k: model.init(cfg.model, k))(jax.random.key(3))
+        checkpoint.save(str(d / "checkpoints"), 4, {"params": params, "step": jnp.int32(4)},
+                        {"config": dataclasses.asdict(cfg), "variant": "dense"})
+    return {"dir": str(d), "cfg": cfg, "params": params, "corpus": corpus, "mesh": m}
 
 
 def mesh(n=1):
@@ -46,7 +53,12 @@ def mesh(n=1):
 
 
 def test_sample_in_the_train_loop_continues_the_prompt(run):
-    assert run["sample"].startswith("def ") and len(run["sample"]) > len("def "), run["sample"]
+    """train.py's sample() (through generate(), on the run's 8-device mesh: one row a device) continues
+    its prompt."""
+    cfg, corpus = run["cfg"], run["corpus"]
+    with jax.set_mesh(run["mesh"]):
+        text = train.sample(run["params"], cfg, corpus, run["mesh"], 12, jax.random.key(1))
+    assert text.startswith("def ") and len(text) > len("def "), text
 
 
 def pick(logits, sampling, seed=0):
