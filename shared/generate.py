@@ -142,7 +142,8 @@ def check_prompts(prompts, rows: int, max_len: int, vocab_size: int, names=None)
             raise GenerateError(f"{name} has token ids outside the model's vocabulary of {vocab_size}: {bad[:5]}")
     if len(prompts) % rows:
         raise GenerateError(f"{len(prompts)} prompts do not divide over the {rows} devices the batch's rows are "
-                            f"sharded over: give a multiple of {rows} prompts, or a smaller --mesh_data")
+                            f"sharded over: give a multiple of {rows} prompts, or put fewer devices on that axis "
+                            "(--mesh_data, the others on --mesh_model)")
 
 
 def generate(model, params, cfg, prompts: list[list[int]], *, mesh, max_new_tokens: int, max_len: int | None = None,
