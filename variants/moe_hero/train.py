@@ -28,12 +28,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import AbstractMesh, AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from shared import cli, data, guard, optim, run  # noqa: E402
+from shared import cli, data, generate, guard, optim, run  # noqa: E402
 from shared.config import TRAIN_FIELDS, at_least, check, check_fields, positive  # noqa: E402
 from shared.errors import StencilError  # noqa: E402
 from shared.variant import sibling  # noqa: E402
@@ -237,27 +236,16 @@ SHOWN = {"train/loss": ("loss", ".4f"), "eval/loss": ("val", ".4f"),
 
 
 def sample(params, cfg: TrainConfig, corpus, mesh, n_tokens: int, key) -> str:
-    """Temperature-0.8 sampling from `sample_prompt`, recomputing the full row each token."""
+    """Temperature-0.8 sampling from `sample_prompt` with the model's cache: the path of `python -m
+    shared.generate` (shared/generate.py). The prompt runs on as many rows as the mesh splits a batch
+    into (every row samples its own continuation; the first is shown), up to seq_len tokens or the
+    end-of-text token."""
     prompt = corpus.encode(cfg.sample_prompt)[: cfg.seq_len - 1] or [corpus.eos_id]
-    rows = mesh.shape["data"] * mesh.shape["expert"]
-    buf = np.full((rows, cfg.seq_len), corpus.eos_id, np.int32)
-    buf[:, : len(prompt)] = prompt
-
-    @jax.jit
-    def next_token(params, tokens, i, key):
-        logits = model.forward(params, tokens, cfg.model)
-        last = jax.lax.dynamic_index_in_dim(logits, i - 1, axis=1, keepdims=False)
-        # replicated, so every process can read it (multi-process)
-        return jax.sharding.reshard(jax.random.categorical(key, last / 0.8, axis=-1), P())
-
-    tokens = jax.device_put(buf, NamedSharding(mesh, batch_spec()))
-    out = list(prompt)
-    for i in range(len(prompt), min(len(prompt) + n_tokens, cfg.seq_len)):
-        key, sub = jax.random.split(key)
-        t = int(np.asarray(next_token(params, tokens, i, sub))[0])
-        out.append(t)
-        tokens = tokens.at[:, i].set(t)
-    return corpus.decode(out)
+    rows = generate.rows_multiple(model, cfg.model, mesh)
+    done = generate.generate(model, params, cfg.model, [prompt] * rows, mesh=mesh, max_new_tokens=n_tokens,
+                             max_len=cfg.seq_len, sampling=generate.Sampling(temperature=0.8), key=key,
+                             eos_id=corpus.eos_id)
+    return corpus.decode(prompt + done[0].tokens)
 
 
 # ---------------------------------------------------------------- the loop
