@@ -23,6 +23,67 @@ sys.path.insert(0, ROOT)
 
 import pytest  # noqa: E402
 
+# ---------------------------------------------------------------- the tiny dense run: one definition
+
+# Every setting of the tiny dense run the train-loop tests use (variants/dense/train.py), by flag name.
+# `tiny_dense.config(run_dir, **over)` gives it as a TrainConfig, `tiny_dense.flags(run_dir, **over)` as
+# command-line flags: the same run either way. `over` takes flag names (dots as "__" in keywords too:
+# model__n_layers=3) or TrainConfig fields with config objects (data=DataConfig(...)).
+TINY_DENSE = {
+    "model.vocab_size": 512, "model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
+    "model.head_dim": 16, "model.d_ff": 128, "seq_len": 32, "batch_size": 8, "steps": 6, "warmup_steps": 1,
+    "log_every": 1, "eval_every": 3, "eval_batches": 2, "save_every": 3, "sample_tokens": 0, "wandb": "disabled",
+    "data.val_fraction": 0.1,
+}
+
+
+class TinyDense:
+    def __init__(self, corpus: str):
+        from shared.variant import load
+
+        self.corpus = corpus
+        self.script = os.path.join(ROOT, "variants", "dense", "train.py")
+        self.train = load(self.script)
+
+    def settings(self, run_dir, over: dict) -> dict:
+        s = {**TINY_DENSE, "data.source": self.corpus, "run_dir": str(run_dir)}
+        s.update({k.replace("__", "."): v for k, v in over.items()})
+        return s
+
+    def config(self, run_dir, **over):
+        import dataclasses
+
+        s = self.settings(run_dir, over)
+        top = {k: v for k, v in s.items() if "." not in k}
+        for part in ("model", "data", "optim"):
+            fields = {k.split(".", 1)[1]: v for k, v in s.items() if k.startswith(part + ".")}
+            if part in top:  # a config object given whole: the tiny settings do not apply to it
+                continue
+            if fields:
+                top[part] = dataclasses.replace(getattr(self.train.TrainConfig(), part), **fields)
+        return self.train.TrainConfig(**top)
+
+    def flags(self, run_dir, **over) -> list[str]:
+        out = []
+        for k, v in self.settings(run_dir, over).items():
+            out += [f"--{k}", str(v).lower() if isinstance(v, bool) else str(v)]
+        return out
+
+    def start(self, run_dir, *args, **over):
+        """The run as its own process (`args`: more flags, after the tiny ones), output captured."""
+        import subprocess
+
+        return subprocess.Popen([sys.executable, self.script, *self.flags(run_dir, **over), *args], text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+                                env={**os.environ, "PYTHONPATH": ROOT})
+
+
+@pytest.fixture(scope="session")
+def tiny_dense(small_corpus):
+    """The tiny dense run of the train-loop tests (TINY_DENSE), as a config or as flags."""
+    return TinyDense(small_corpus)
+
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache(tmp_path_factory):

@@ -20,6 +20,7 @@ def run(*cmd, timeout=240):
     return subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+@pytest.mark.integration  # a subprocess timing real steps (the tool as a user runs it)
 def test_bench_checks_then_times_both_steps_and_reports_noise():
     """The hand-written plain step computes dense's math (loss, gradients and one optimizer step agree
     on packed documents, GQA, z-loss on, tied embeddings; else the tool refuses to time them), then
@@ -52,6 +53,7 @@ def test_gpu_benchmark_dry_run_plans_every_preset_first():
         assert p.returncode == 2 and msg in p.stderr, (bad, p.stderr)
 
 
+@pytest.mark.integration  # a subprocess timing real steps (the tool as a user runs it)
 def test_gpu_benchmark_runs_a_job_and_prints_the_table(tmp_path):
     """A real (tiny) job on CPU: the row has throughput, MFU and step time; memory is n/a on CPU.
     A second job past its own time limit is killed and reported, and the command still ends with its table."""
@@ -73,6 +75,7 @@ def test_gpu_benchmark_runs_a_job_and_prints_the_table(tmp_path):
     assert "| dense | (CPU default) | reference |" in p.stdout
 
 
+@pytest.mark.integration  # a subprocess timing real steps (the tool as a user runs it)
 def test_gpu_benchmark_budget_leaves_jobs_unrun(tmp_path):
     """A budget too small for any job: every job is listed as not run, nothing hangs."""
     p = run(GPU, "--jobs", "dense:", "--no-selfcheck", "--budget", "2", "--job-timeout", "100",

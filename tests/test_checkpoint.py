@@ -7,26 +7,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shared import checkpoint
 
-
-def mesh(n, shape=None):
-    shape = shape or (n, 1)
-    return jax.make_mesh(shape, ("data", "model"), axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[:n])
-
-
-def tree(m):
-    with jax.set_mesh(m):
-        return {"w": jax.device_put(jnp.arange(64 * 16, dtype=jnp.float32).reshape(64, 16), P("data", "model")),
-                "b": jax.device_put(jnp.arange(16, dtype=jnp.bfloat16), P(None)),
-                "step": jnp.asarray(7, jnp.int32)}
+from helpers import ckpt_tree, mesh  # noqa: E402  (tests/helpers.py)
 
 
 def test_save_restore_onto_other_mesh(tmp_path):
-    src = tree(mesh(8, (4, 2)))
+    src = ckpt_tree(mesh(8, (4, 2)))
     path = checkpoint.save(str(tmp_path), 7, src, {"loader": {"seed": 0, "position": 56}})
     assert os.path.basename(path) == "step_00000007"
     for n, shape in ((8, (8, 1)), (2, (2, 1)), (1, (1, 1))):
@@ -46,7 +36,7 @@ def test_async_saves_in_a_row_each_write_their_own_step(tmp_path):
     its own step's state (the Saver's reused host buffers are never overwritten under a write)."""
     m = mesh(8, (4, 2))
     step = jax.jit(lambda t: {"w": t["w"] * 0.5 + 1.0, "b": t["b"] + 1, "step": t["step"] + 1}, donate_argnums=0)
-    state, expected, saver = tree(m), {}, checkpoint.Saver()
+    state, expected, saver = ckpt_tree(m), {}, checkpoint.Saver()
     with jax.set_mesh(m):
         for s in range(1, 5):
             expected[s] = {k: np.array(v) for k, v in state.items()}
@@ -61,14 +51,14 @@ def test_async_saves_in_a_row_each_write_their_own_step(tmp_path):
 
 
 def test_ocdbt_layout(tmp_path):
-    src = tree(mesh(8, (4, 2)))
+    src = ckpt_tree(mesh(8, (4, 2)))
     path = checkpoint.save(str(tmp_path), 1, src, {}, ocdbt=True)
     got, _ = checkpoint.restore(path, src)
     np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(src["w"]))
 
 
 def test_killed_save_never_hides_or_damages_the_last_good_one(tmp_path):
-    src = tree(mesh(8, (4, 2)))
+    src = ckpt_tree(mesh(8, (4, 2)))
     good = checkpoint.save(str(tmp_path), 5, src, {})
     # A save of step 10 that died half-way: arrays partly there, no metadata, still named .tmp
     os.makedirs(tmp_path / "step_00000010.tmp" / "arrays" / "w")
@@ -82,14 +72,14 @@ def test_killed_save_never_hides_or_damages_the_last_good_one(tmp_path):
 
 
 def test_keeps_last_n(tmp_path):
-    src = tree(mesh(1))
+    src = ckpt_tree(mesh(1))
     for s in range(1, 6):
         checkpoint.save(str(tmp_path), s, src, {}, keep=2)
     assert [os.path.basename(p) for p in checkpoint.all_checkpoints(str(tmp_path))] == ["step_00000004", "step_00000005"]
 
 
 def test_mismatch_names_the_leaf(tmp_path):
-    src = tree(mesh(1))
+    src = ckpt_tree(mesh(1))
     path = checkpoint.save(str(tmp_path), 1, src, {})
     bad = dict(src, w=jax.ShapeDtypeStruct((64, 8), jnp.float32, sharding=src["w"].sharding))
     with pytest.raises(checkpoint.CheckpointError, match=r"leaf w .*\[64, 16\].*\[64, 8\]"):
@@ -105,7 +95,7 @@ def test_a_nonfinite_state_is_never_saved(tmp_path, mode):
     """Synchronous: save() raises. Asynchronous: the background check of the host copy refuses it
     before writing, and the loop gets the error from the Saver (here wait(); check() at the next step)."""
     m = mesh(8, (4, 2))
-    src = tree(m)
+    src = ckpt_tree(m)
     good = checkpoint.save(str(tmp_path), 1, src, {})
     with jax.set_mesh(m):
         bad = dict(src, w=src["w"].at[3, 5].set(jnp.nan, out_sharding=P("data", "model")))
@@ -122,7 +112,7 @@ def test_a_nonfinite_state_is_never_saved(tmp_path, mode):
 
 
 def _two_checkpoints(tmp_path):
-    src = tree(mesh(8, (4, 2)))
+    src = ckpt_tree(mesh(8, (4, 2)))
     first = checkpoint.save(str(tmp_path), 1, src, {})
     second = checkpoint.save(str(tmp_path), 2, src, {})
     chunks = sorted(p for p in (tmp_path / "step_00000002" / "arrays" / "w").rglob("*") if p.is_file()
@@ -181,7 +171,7 @@ def test_unreadable_metadata_is_named(tmp_path):
 
 
 def test_deleting_renames_first_so_a_killed_deletion_leaves_no_checkpoint(tmp_path):
-    src = tree(mesh(1))
+    src = ckpt_tree(mesh(1))
     for s in (1, 2):
         checkpoint.save(str(tmp_path), s, src, {}, keep=2)
     # a deletion killed half-way leaves the renamed folder, metadata.json and all: never listed
@@ -232,7 +222,7 @@ def test_a_failing_disk_leaves_no_partial_save_and_the_last_checkpoint_intact(tm
 
 
 def test_a_path_with_dotdot_is_normalised(tmp_path):
-    src = tree(mesh(1))
+    src = ckpt_tree(mesh(1))
     (tmp_path / "a").mkdir()
     path = checkpoint.save(str(tmp_path / "a" / ".." / "ck"), 1, src, {})
     got, _ = checkpoint.restore(path, src)

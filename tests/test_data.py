@@ -6,31 +6,15 @@ import numpy as np
 import pytest
 
 from shared import data, sources
-from shared.data import DataConfig, DataError, Loader, Split, eval_batches, load_corpus, pack_rows
+from shared.data import DataConfig, DataError, Loader, eval_batches, load_corpus, pack_rows
 
-VOCAB = 320
-
-
-def write_corpus(tmp_path, n_docs=40, name="docs"):
-    d = tmp_path / name
-    d.mkdir()
-    for i in range(n_docs):
-        words = " ".join(f"word{(i * 7 + j) % 23}" for j in range(30 + i % 11))
-        (d / f"doc{i:03d}.txt").write_text(f"document {i}: {words}\n")
-    return d
-
+from helpers import VOCAB, toy_split, write_corpus  # noqa: E402  (tests/helpers.py)
 
 @pytest.fixture
 def corpus(tmp_path):
     src = write_corpus(tmp_path)
     return load_corpus(DataConfig(source=str(src / "*.txt"), cache_dir=str(tmp_path / "c"),
                                   val_fraction=0.1), VOCAB, progress=False)
-
-
-def toy_split(lengths, eos=0):
-    """Docs of the given lengths; token values 1.. within a doc, eos last."""
-    toks = np.concatenate([np.r_[np.arange(1, n), eos] for n in lengths]).astype(np.uint16)
-    return Split(toks, np.cumsum(lengths).astype(np.int64))
 
 
 def test_packing_targets_segments_mask():

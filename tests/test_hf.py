@@ -26,6 +26,8 @@ from shared import checkpoint, data, generate, sources
 from shared import hf as hfio
 from shared.variant import load
 
+pytestmark = pytest.mark.integration  # Hugging Face: transformers (on torch) runs the exported and imported models
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 

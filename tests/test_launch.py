@@ -2,7 +2,6 @@
 checkpoint a single 8-device process resumes with the same losses, the generators' output,
 and failures that stop the whole run instead of hanging it."""
 
-import json
 import os
 import re
 import signal
@@ -15,8 +14,10 @@ import numpy as np
 import pytest
 import yaml
 
-from shared import checkpoint, data
+from shared import checkpoint
 from shared.variant import ROOT, load
+
+from helpers import losses, sub_env  # noqa: E402  (tests/helpers.py)
 
 sys.path.insert(0, os.path.join(ROOT, "launch"))
 import k8s  # noqa: E402
@@ -27,52 +28,22 @@ import tpu_vm  # noqa: E402
 train = load(os.path.join(ROOT, "variants", "dense", "train.py"))
 LOCAL = os.path.join(ROOT, "launch", "local.py")
 SCRIPT = os.path.join(ROOT, "variants", "dense", "train.py")
-TINY = ["--model.vocab_size", "512", "--model.d_model", "64", "--model.n_layers", "2", "--model.n_heads", "4",
-        "--model.n_kv_heads", "2", "--model.head_dim", "16", "--model.d_ff", "128", "--seq_len", "32",
-        "--batch_size", "8", "--steps", "4", "--warmup_steps", "1", "--log_every", "1", "--eval_every", "2",
-        "--eval_batches", "2", "--save_every", "2", "--sample_tokens", "0", "--wandb", "disabled",
-        "--data.val_fraction", "0.1"]
+LAUNCH = {"steps": 4, "eval_every": 2, "save_every": 2}  # the tiny dense run (conftest's tiny_dense), 4 steps
 
 
-def tiny_cfg(small_corpus, run_dir, **over):
-    m = train.model.ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
-                                d_ff=128)
-    kw = dict(model=m, data=data.DataConfig(source=small_corpus, val_fraction=0.1), seq_len=32, batch_size=8,
-              steps=4, warmup_steps=1, log_every=1, eval_every=2, eval_batches=2, save_every=2, sample_tokens=0,
-              wandb="disabled", run_dir=str(run_dir))
-    kw.update(over)
-    return train.TrainConfig(**kw)
-
-
-def sub_env(**extra):
-    env = dict(os.environ, WANDB_MODE="disabled", JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-    for k in ("STENCIL_COORDINATOR", "STENCIL_NUM_PROCESSES", "STENCIL_PROCESS_ID", "STENCIL_DISTRIBUTED"):
-        env.pop(k, None)
-    # no persistent compilation cache: with one, only process 0 writes entries (jax 0.10), so process 1
-    # compiles alone while process 0 waits in a collective, past gloo's fixed 30 s on a busy machine
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    env.update(extra)  # STENCIL_CACHE: conftest's session tmp dir, so the tokenizer is the in-process one
-    return env
-
-
-def losses(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return {r["step"]: r["train/loss"] for r in map(json.loads, f)}
-
-
-def test_two_processes_then_resume_on_one(small_corpus, tmp_path, s3):
+@pytest.mark.integration  # multi-process: a real 2-process run on loopback (jax.distributed)
+def test_two_processes_then_resume_on_one(tiny_dense, tmp_path, s3):
     """Two processes save a checkpoint to the local S3 server together (each its own shards, process 0
     commits); one process resumes from it with the same losses as a run that never stopped."""
     url = s3.bucket(f"stencil-mp-{os.getpid()}") + "/ck"
     t0 = time.perf_counter()  # first, so the tokenizer and CPU peak are cached for the subprocesses
-    straight = train.main(tiny_cfg(small_corpus, tmp_path / "single"))
+    straight = train.main(tiny_dense.config(tmp_path / "single", **LAUNCH))
     t_single = time.perf_counter() - t0
     assert sorted(straight["losses"]) == [1, 2, 3, 4]
     mp_dir = tmp_path / "mp"
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, LOCAL, "--nproc", "2", "--devices", "4", "--variant", "dense", "--",
-                        *TINY, "--stop_at", "2", "--data.source", small_corpus, "--run_dir", str(mp_dir),
-                        "--checkpoint_dir", url],
+                        *tiny_dense.flags(mp_dir, **LAUNCH, stop_at=2, checkpoint_dir=url)],
                        env=sub_env(), capture_output=True, text=True, timeout=400)
     t_mp = time.perf_counter() - t0
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
@@ -82,7 +53,7 @@ def test_two_processes_then_resume_on_one(small_corpus, tmp_path, s3):
     assert saved.endswith("/step_00000002") and checkpoint.verify(saved, checksums=True) == []
     assert sorted(losses(mp_dir)) == [1, 2]
 
-    resumed = train.main(tiny_cfg(small_corpus, mp_dir, resume=True, checkpoint_dir=url))  # one process, 8 devices
+    resumed = train.main(tiny_dense.config(mp_dir, **LAUNCH, resume=True, checkpoint_dir=url))  # one process, 8 devices
     assert sorted(resumed["losses"]) == [3, 4]
     got, want = losses(mp_dir), losses(tmp_path / "single")
     assert sorted(got) == sorted(want) == [1, 2, 3, 4]
@@ -96,9 +67,10 @@ def _children(pid):
         return [int(c) for c in f.read().split()]
 
 
-def test_killed_process_stops_the_run(small_corpus, tmp_path):
-    p = subprocess.Popen([sys.executable, LOCAL, "--nproc", "2", "--devices", "4", "--", *TINY, "--steps", "200",
-                          "--data.source", small_corpus, "--run_dir", str(tmp_path / "run")],
+@pytest.mark.integration  # multi-process: a real 2-process run on loopback (jax.distributed)
+def test_killed_process_stops_the_run(tiny_dense, tmp_path):
+    p = subprocess.Popen([sys.executable, LOCAL, "--nproc", "2", "--devices", "4", "--",
+                          *tiny_dense.flags(tmp_path / "run", **LAUNCH | {"steps": 200})],
                          env=sub_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         out = []
@@ -139,10 +111,11 @@ def _port():
     return local.free_port()
 
 
-def test_failing_process_is_named_and_heartbeat_stops_the_rest(small_corpus, tmp_path):
+@pytest.mark.integration  # multi-process: a real 2-process run on loopback (jax.distributed)
+def test_failing_process_is_named_and_heartbeat_stops_the_rest(tiny_dense, tmp_path):
     """No launcher to kill anyone: process 1 raises; JAX's coordination service stops process 0."""
     (tmp_path / "not_a_dir").write_text("")
-    args = [*TINY, "--data.source", small_corpus, "--run_dir", str(tmp_path / "run")]
+    args = tiny_dense.flags(tmp_path / "run", **LAUNCH)
     t0 = time.perf_counter()
     (out0, rc0), (out1, rc1) = _pair({}, {"STENCIL_CACHE": str(tmp_path / "not_a_dir")}, [args, args], _port())
     assert rc1 == 1 and "process 1 failed: NotADirectoryError" in out1, out1[-3000:]
@@ -150,8 +123,9 @@ def test_failing_process_is_named_and_heartbeat_stops_the_rest(small_corpus, tmp
     assert time.perf_counter() - t0 < 110
 
 
-def test_mismatched_configs_are_named(small_corpus, tmp_path):
-    a = [*TINY, "--data.source", small_corpus, "--run_dir", str(tmp_path / "run")]
+@pytest.mark.integration  # multi-process: a real 2-process run on loopback (jax.distributed)
+def test_mismatched_configs_are_named(tiny_dense, tmp_path):
+    a = tiny_dense.flags(tmp_path / "run", **LAUNCH)
     (out0, rc0), (out1, rc1) = _pair({}, {}, [a, a + ["--seed", "1"]], _port())
     for out, rc in ((out0, rc0), (out1, rc1)):
         assert rc == 1 and "config of process(es) [1] differs from process 0's" in out, out[-3000:]
@@ -329,6 +303,7 @@ def test_slurm_script_requeues_on_75_and_70_only(tmp_path, capsys):
     assert "resuming from its newest checkpoint" in r.stdout and scontrol == ["requeue 42"]
 
 
+@pytest.mark.integration  # the generated script run against the S3 server on 127.0.0.1
 def test_slurm_script_resumes_from_a_checkpoint_dir_on_s3(tmp_path, s3, capsys):
     """With --checkpoint_dir s3://..., the script lists the bucket (python -m shared.checkpoint list):
     no --resume before a committed checkpoint is there, --resume true after, and a store it cannot
@@ -484,13 +459,13 @@ def test_generators_reject_unknown_variant_and_preset():
         skypilot.main(["--preset", "nope"])
 
 
-def test_sigterm_to_the_launcher_stops_every_process_at_one_step_and_resumes(small_corpus, tmp_path):
+@pytest.mark.integration  # multi-process: a real 2-process run on loopback (jax.distributed)
+def test_sigterm_to_the_launcher_stops_every_process_at_one_step_and_resumes(tiny_dense, tmp_path):
     """SIGTERM to launch/local.py reaches both processes; they agree on a step, save it and exit
     75, and so does the launcher; one process then resumes to the losses of an uninterrupted run."""
     run = tmp_path / "mp"
     proc = subprocess.Popen([sys.executable, LOCAL, "--nproc", "2", "--devices", "4", "--variant", "dense", "--",
-                             *TINY, "--steps", "500", "--save_every", "0", "--data.source", small_corpus,
-                             "--run_dir", str(run)], env=sub_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             *tiny_dense.flags(run, **LAUNCH | {"steps": 500, "save_every": 0})], env=sub_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     t = time.time()
     while not (os.path.exists(run / "metrics.jsonl") and max(losses(run), default=0) >= 3):
@@ -504,8 +479,8 @@ def test_sigterm_to_the_launcher_stops_every_process_at_one_step_and_resumes(sma
     assert 3 <= step < 500 and out.count(f"stopped by a signal after step {step}") == 1  # logged by process 0
     assert "[p1] SIGTERM: finishing this step" in out and "[p0] SIGTERM: finishing this step" in out
     end = step + 2  # the same 500-step schedule, stopped early
-    resumed = train.main(tiny_cfg(small_corpus, run, steps=500, save_every=0, stop_at=end, resume=True))
+    resumed = train.main(tiny_dense.config(run, **LAUNCH | {"steps": 500, "save_every": 0}, stop_at=end, resume=True))
     assert sorted(resumed["losses"]) == [step + 1, end]
-    straight = train.main(tiny_cfg(small_corpus, tmp_path / "single", steps=500, save_every=0, stop_at=end))
+    straight = train.main(tiny_dense.config(tmp_path / "single", **LAUNCH | {"steps": 500, "save_every": 0}, stop_at=end))
     got, want = losses(run), straight["losses"]
     np.testing.assert_allclose([got[s] for s in range(1, end + 1)], [want[s] for s in range(1, end + 1)], rtol=1e-5)

@@ -299,6 +299,7 @@ def test_local_and_global_attention_backends_are_checked_in_the_config():
 
 # ---------------------------------------------------------------- the train loop
 
+@pytest.mark.integration  # a long run: 30 steps on real data
 def test_bias_update_balances_load_on_real_data(small_corpus, tmp_path):
     """With the weights frozen (lr ~ 0), only the router bias moves: the per-expert load spread of
     the stdlib text must shrink over the run, and without the update it must not."""

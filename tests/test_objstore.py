@@ -19,12 +19,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shared import checkpoint, guard
-from shared.variant import ROOT
+from shared.variant import ROOT, load
 
-import test_checkpoint  # noqa: E402  (tests/ is on sys.path: conftest's folder)
-import test_preemption  # noqa: E402
+from helpers import ckpt_tree, losses, mesh, wait_for_step  # noqa: E402  (tests/helpers.py)
 
-train = test_preemption.train
+pytestmark = pytest.mark.integration  # real S3 and GCS servers on 127.0.0.1, subprocesses and kill loops
+
+train = load(os.path.join(ROOT, "variants", "dense", "train.py"))  # the one tiny_dense (conftest) runs
+END_ONLY = {"eval_every": 1000, "eval_batches": 1}  # evaluated only at the end
 _names = itertools.count()
 # the servers: the session fixtures s3 and gcs of tests/conftest.py
 
@@ -43,12 +45,12 @@ def keys(url):
 # ---------------------------------------------------------------- every store
 
 def test_round_trip_onto_other_meshes(bucket):
-    src = test_checkpoint.tree(test_checkpoint.mesh(8, (4, 2)))
+    src = ckpt_tree(mesh(8, (4, 2)))
     path = checkpoint.save(bucket, 7, src, {"loader": {"seed": 0, "position": 56}})
     assert path == bucket + "/step_00000007" and checkpoint.latest(bucket) == path
     assert len([k for k in keys(path) if k.startswith("arrays/w/c/")]) == 8  # one chunk per shard of 4 x 2
     for shape in ((1, 8), (1, 1)):
-        m = test_checkpoint.mesh(shape[0] * shape[1], shape)
+        m = mesh(shape[0] * shape[1], shape)
         target = {"w": jax.ShapeDtypeStruct((64, 16), jnp.float32, sharding=NamedSharding(m, P(None, "model"))),
                   "b": jax.ShapeDtypeStruct((16,), jnp.bfloat16, sharding=NamedSharding(m, P(None))),
                   "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(m, P()))}
@@ -60,7 +62,7 @@ def test_round_trip_onto_other_meshes(bucket):
 
 
 def test_keeps_last_n(bucket):
-    src = test_checkpoint.tree(test_checkpoint.mesh(1))
+    src = ckpt_tree(mesh(1))
     for s in range(1, 5):
         checkpoint.save(bucket, s, src, {}, keep=2)
     assert [os.path.basename(p) for p in checkpoint.all_checkpoints(bucket)] == ["step_00000003", "step_00000004"]
@@ -68,7 +70,7 @@ def test_keeps_last_n(bucket):
 
 
 def test_an_uncommitted_checkpoint_is_invisible_and_cleaned_up(bucket):
-    src = test_checkpoint.tree(test_checkpoint.mesh(8, (4, 2)))
+    src = ckpt_tree(mesh(8, (4, 2)))
     first = checkpoint.save(bucket, 1, src, {})
     # a save of step 2 killed before its commit record: every array written, no metadata.json
     second = checkpoint.save(bucket, 2, src, {})
@@ -82,11 +84,11 @@ def test_an_uncommitted_checkpoint_is_invisible_and_cleaned_up(bucket):
     assert [os.path.basename(p) for p in checkpoint.all_checkpoints(bucket)] == ["step_00000001", "step_00000003"]
 
 
-def test_a_preempted_run_resumes_from_the_bucket_bit_exactly(bucket, small_corpus, tmp_path, straight_run):
+def test_a_preempted_run_resumes_from_the_bucket_bit_exactly(bucket, tiny_dense, tmp_path, straight_run):
     run = tmp_path / "run"  # local: metrics and tokenizer; the checkpoints go to the bucket
-    proc = test_preemption.start(small_corpus, run, "--steps", "500", "--warmup_steps", "1", "--save_every", "2",
-                                 "--checkpoint_dir", bucket)
-    test_preemption.wait_for_step(run, 3, proc)
+    proc = tiny_dense.start(run, "--steps", "500", "--warmup_steps", "1", "--save_every", "2",
+                            "--checkpoint_dir", bucket, **END_ONLY)
+    wait_for_step(run, 3, proc)
     assert "LOCK" in keys(bucket)  # the bucket is locked while the run uses it
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
@@ -95,21 +97,21 @@ def test_a_preempted_run_resumes_from_the_bucket_bit_exactly(bucket, small_corpu
     step = checkpoint.read_metadata(saved)["step"]
     assert saved.startswith(bucket) and f"stopped by a signal after step {step}: saved {saved}" in out + err
     assert "LOCK" not in keys(bucket) and not (run / "checkpoints").exists()
-    first = test_preemption.losses(run)
+    first = losses(run)
     end = straight_run["end"]
     assert 3 <= step < end and max(first) == step
-    resumed = train.main(test_preemption.small(small_corpus, run, steps=500, save_every=0, stop_at=end, resume=True,
-                                               checkpoint_dir=bucket))
+    resumed = train.main(tiny_dense.config(run, **END_ONLY, steps=500, save_every=0, stop_at=end, resume=True,
+                                           checkpoint_dir=bucket))
     assert {**first, **resumed["losses"]} == straight_run["losses"]  # every loss, before and after the stop
     for a, b in zip(jax.tree.leaves(resumed["state"]), jax.tree.leaves(straight_run["state"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.fixture(scope="module")
-def straight_run(small_corpus, tmp_path_factory):
+def straight_run(tiny_dense, tmp_path_factory):
     """The 500-step schedule run straight to step 12, never stopped, checkpoints local."""
-    out = train.main(test_preemption.small(small_corpus, tmp_path_factory.mktemp("straight"), steps=500,
-                                           save_every=0, stop_at=12, warmup_steps=1))
+    out = train.main(tiny_dense.config(tmp_path_factory.mktemp("straight"), **END_ONLY, steps=500,
+                                       save_every=0, stop_at=12, warmup_steps=1))
     return {"losses": out["losses"], "state": out["state"], "end": 12}
 
 
@@ -128,7 +130,7 @@ _step = jax.jit(lambda state: {"w": state["w"] * 0.5 + 1.0, "n": state["n"] + 1}
 
 def test_async_save_writes_the_state_of_its_step_while_training_goes_on(s3):
     url = s3.bucket(f"stencil-async-{os.getpid()}") + "/ck"
-    m = test_checkpoint.mesh(8, (4, 2))
+    m = mesh(8, (4, 2))
     state = big_tree(m)
     expected = {k: np.array(v) for k, v in state.items()}
     loader = {"seed": 0, "position": 96}
@@ -151,7 +153,7 @@ def test_async_save_writes_the_state_of_its_step_while_training_goes_on(s3):
 
 def test_a_bucket_removed_mid_save_is_raised_in_the_loop(s3):
     url = s3.bucket(f"stencil-vanish-{os.getpid()}") + "/ck"
-    m = test_checkpoint.mesh(8, (4, 2))
+    m = mesh(8, (4, 2))
     saver = checkpoint.Saver()
     state = big_tree(m)
     with jax.set_mesh(m):
@@ -172,24 +174,23 @@ def _as_user_without_dac_override() -> list[str]:
     return ["setpriv", "--bounding-set=-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
 
 
-def test_a_read_only_checkpoint_dir_stops_the_run_at_the_next_step(small_corpus, tmp_path):
+def test_a_read_only_checkpoint_dir_stops_the_run_at_the_next_step(tiny_dense, tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     (run / "checkpoints").chmod(0o555)
     cmd = [*_as_user_without_dac_override(), sys.executable, os.path.join(ROOT, "variants", "dense", "train.py"),
-           *test_preemption.TINY, "--data.source", small_corpus, "--run_dir", str(run), "--steps", "40",
-           "--save_every", "2"]
+           *tiny_dense.flags(run, **END_ONLY, steps=40, save_every=2)]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
                          timeout=300)
     (run / "checkpoints").chmod(0o755)
     assert out.returncode == 1, out.stderr[-3000:]
     assert "error: saving step 2 to" in out.stderr and "Permission denied" in out.stderr, out.stderr[-3000:]
     # raised in the loop a step or so after the save began, not at the end of the run
-    assert 2 <= max(test_preemption.losses(run)) < 40
+    assert 2 <= max(losses(run)) < 40
     assert os.listdir(run / "checkpoints") == []  # the failed save's partial files were removed
 
 
-def test_kill_9_during_async_saves_to_the_bucket_never_loses_the_previous_checkpoint(s3, small_corpus, tmp_path):
+def test_kill_9_during_async_saves_to_the_bucket_never_loses_the_previous_checkpoint(s3, tiny_dense, tmp_path):
     """A checkpoint to the bucket every step (keep 2: every save also deletes one), the run killed
     with SIGKILL at random moments three times: the newest complete checkpoint always restores."""
     import random
@@ -200,14 +201,14 @@ def test_kill_9_during_async_saves_to_the_bucket_never_loses_the_previous_checkp
     seen, steps = 0, []
     for _ in range(3):
         resume = ["--resume", "true"] if checkpoint.all_checkpoints(url) else []
-        proc = test_preemption.start(small_corpus, run, *args, *resume)
-        test_preemption.wait_for_step(run, seen + 2, proc)
+        proc = tiny_dense.start(run, *args, *resume, **END_ONLY)
+        wait_for_step(run, seen + 2, proc)
         while not (before := checkpoint.latest(url)) or checkpoint.read_metadata(before)["step"] <= seen:
             time.sleep(0.3)  # a save of this run committed: the one the kill must not lose
         time.sleep(rng.uniform(0.0, 0.4))
         proc.kill()
         proc.wait()
-        seen = max(test_preemption.losses(run))
+        seen = max(losses(run))
         last = checkpoint.latest(url)  # never raises: nothing damaged is named a checkpoint
         assert last is not None and checkpoint.verify(last, checksums=True) == []
         steps.append(checkpoint.read_metadata(last)["step"])

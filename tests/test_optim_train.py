@@ -40,6 +40,7 @@ def steps(folder, name, n=10, **over):
 CASES = [(f, n) for f in FOLDERS for n in ("muon", "muonh", "adamh")]
 
 
+@pytest.mark.integration  # a long run: every folder trained with every optimizer
 @pytest.mark.parametrize("folder,name", CASES)
 def test_loss_falls(folder, name):
     losses, _, _ = steps(folder, name)

@@ -20,49 +20,28 @@ from shared import checkpoint, data, guard
 from shared.run import TrainingError
 from shared.variant import ROOT, load
 
-import test_train  # noqa: E402  (tests/ is on sys.path: conftest's folder)
+from helpers import losses, wait_for_step  # noqa: E402  (tests/helpers.py)
 
-train = load(os.path.join(ROOT, "variants", "dense", "train.py"))
-TINY = ["--model.vocab_size", "512", "--model.d_model", "64", "--model.n_layers", "2", "--model.n_heads", "4",
-        "--model.n_kv_heads", "2", "--model.head_dim", "16", "--model.d_ff", "128", "--seq_len", "32",
-        "--batch_size", "8", "--log_every", "1", "--eval_every", "1000", "--eval_batches", "1",
-        "--wandb", "disabled", "--sample_tokens", "0", "--data.val_fraction", "0.1"]
+train = load(os.path.join(ROOT, "variants", "dense", "train.py"))  # the one tiny_dense (conftest) runs
+END_ONLY = {"eval_every": 1000, "eval_batches": 1}  # evaluated only at the end
 
 
-def small(small_corpus, run_dir, **over):
-    """test_train's tiny dense config, evaluated only at the end."""
-    return test_train.small(small_corpus, run_dir, **{"eval_every": 1000, "eval_batches": 1, **over})
+def small(tiny_dense, run_dir, **over):
+    """The tiny dense config (conftest's tiny_dense), evaluated only at the end."""
+    return tiny_dense.config(run_dir, **{**END_ONLY, **over})
 
 
-def losses(run_dir) -> dict:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
-
-
-def start(small_corpus, run_dir, *args):
-    return subprocess.Popen([sys.executable, os.path.join(ROOT, "variants", "dense", "train.py"), *TINY,
-                             "--data.source", small_corpus, "--run_dir", str(run_dir), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": ROOT})
-
-
-def wait_for_step(run_dir, step, proc, timeout=240):
-    t = time.time()
-    while time.time() - t < timeout:
-        if os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and max(losses(run_dir), default=0) >= step:
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"the run ended before step {step}: {proc.communicate()[1][-3000:]}")
-        time.sleep(0.2)
-    raise AssertionError(f"no step {step} within {timeout} s")
+def start(tiny_dense, run_dir, *args):
+    """The tiny dense run as its own process, evaluated and saved only at the end unless `args` say otherwise."""
+    return tiny_dense.start(run_dir, *args, **END_ONLY, save_every=100)
 
 
 # ---------------------------------------------------------------- preemption
 
-def test_sigterm_saves_exits_75_and_the_resume_is_bit_exact(small_corpus, tmp_path):
+@pytest.mark.integration  # a subprocess: the signal must not take pytest with it
+def test_sigterm_saves_exits_75_and_the_resume_is_bit_exact(tiny_dense, tmp_path):
     run = tmp_path / "preempted"
-    proc = start(small_corpus, run, "--steps", "500", "--warmup_steps", "1", "--save_every", "0")
+    proc = start(tiny_dense, run, "--steps", "500", "--warmup_steps", "1", "--save_every", "0")
     wait_for_step(run, 3, proc)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
@@ -74,9 +53,9 @@ def test_sigterm_saves_exits_75_and_the_resume_is_bit_exact(small_corpus, tmp_pa
     first = losses(run)
     assert max(first) == step
     end = step + 3  # the same 500-step schedule, stopped early
-    resumed = train.main(small(small_corpus, run, steps=500, save_every=0, stop_at=end, resume=True))["losses"]
+    resumed = train.main(small(tiny_dense, run, steps=500, save_every=0, stop_at=end, resume=True))["losses"]
     assert sorted(resumed) == list(range(step + 1, end + 1))
-    straight = train.main(small(small_corpus, tmp_path / "straight", steps=500, save_every=0, stop_at=end))["losses"]
+    straight = train.main(small(tiny_dense, tmp_path / "straight", steps=500, save_every=0, stop_at=end))["losses"]
     assert {**first, **resumed} == straight  # every loss, before and after the stop, bit for bit
 
 
@@ -101,13 +80,13 @@ def test_a_second_signal_exits_at_once():
 
 # ---------------------------------------------------------------- one run per directory
 
-def test_a_second_run_in_the_same_directory_is_refused(small_corpus, tmp_path):
+def test_a_second_run_in_the_same_directory_is_refused(tiny_dense, tmp_path):
     holder = subprocess.Popen(["sleep", "60"])
     try:
         tmp_path.mkdir(exist_ok=True)
         (tmp_path / "LOCK").write_text(json.dumps({"pid": holder.pid, "host": socket.gethostname(), "since": "now"}))
         with pytest.raises(guard.RunLockError, match=rf"in use by pid {holder.pid} on {socket.gethostname()}"):
-            train.main(small(small_corpus, tmp_path, steps=2))
+            train.main(small(tiny_dense, tmp_path, steps=2))
         assert not (tmp_path / "checkpoints").exists()
         # a lock on another host is never taken over, whatever its pid
         (tmp_path / "LOCK").write_text(json.dumps({"pid": 1, "host": "another-host", "since": "now"}))
@@ -118,7 +97,7 @@ def test_a_second_run_in_the_same_directory_is_refused(small_corpus, tmp_path):
         holder.wait()
     # the holder is dead now: its lock is stale and the run takes it over, then releases it
     (tmp_path / "LOCK").write_text(json.dumps({"pid": holder.pid, "host": socket.gethostname(), "since": "now"}))
-    out = train.main(small(small_corpus, tmp_path, steps=2, save_every=0))
+    out = train.main(small(tiny_dense, tmp_path, steps=2, save_every=0))
     assert sorted(out["losses"]) == [1, 2] and not (tmp_path / "LOCK").exists()
 
 
@@ -144,11 +123,11 @@ train.main(train.cli.parse(train.TrainConfig, train.HERE, sys.argv[2:]))
 """
 
 
-def test_the_watchdog_aborts_a_hung_step_with_every_stack(small_corpus, tmp_path):
+@pytest.mark.integration  # a subprocess the watchdog aborts
+def test_the_watchdog_aborts_a_hung_step_with_every_stack(tiny_dense, tmp_path):
     t = time.time()
-    out = subprocess.run([sys.executable, "-c", HANG, os.path.join(ROOT, "variants", "dense", "train.py"), *TINY,
-                          "--data.source", small_corpus, "--run_dir", str(tmp_path), "--steps", "20",
-                          "--watchdog_s", "4"], capture_output=True, text=True, cwd=ROOT,
+    out = subprocess.run([sys.executable, "-c", HANG, tiny_dense.script,
+                          *tiny_dense.flags(tmp_path, **END_ONLY, save_every=100, steps=20, watchdog_s=4)], capture_output=True, text=True, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
     assert out.returncode == guard.EXIT_HUNG, out.stderr[-3000:]
     assert time.time() - t < 240
@@ -162,38 +141,38 @@ def test_the_watchdog_aborts_a_hung_step_with_every_stack(small_corpus, tmp_path
 
 # ---------------------------------------------------------------- resume refuses what it cannot honour
 
-def test_resume_refuses_what_would_change_the_data(small_corpus, tmp_path):
+def test_resume_refuses_what_would_change_the_data(small_corpus, tiny_dense, tmp_path):
     run = tmp_path / "run"
-    train.main(small(small_corpus, run, steps=6, stop_at=3))
+    train.main(small(tiny_dense, run, steps=6, stop_at=3))
     tokenizer = (run / "tokenizer.json").read_bytes()
     with pytest.raises(TrainingError, match=r"at step 3, and this run ends at step 3.*nothing to train"):
-        train.main(small(small_corpus, run, steps=6, stop_at=3, resume=True))
+        train.main(small(tiny_dense, run, steps=6, stop_at=3, resume=True))
     with pytest.raises(TrainingError, match=r"data stream differs.*'seq_len': \(32, 16\)"):
-        train.main(small(small_corpus, run, steps=6, seq_len=16, resume=True))
+        train.main(small(tiny_dense, run, steps=6, seq_len=16, resume=True))
     other = tmp_path / "other"
     other.mkdir()
     for name in sorted(os.listdir(os.path.dirname(small_corpus)))[:3]:
         (other / name).write_text(open(os.path.join(os.path.dirname(small_corpus), name)).read())
     with pytest.raises(TrainingError, match=r"data stream differs.*'corpus'"):
-        train.main(small(small_corpus, run, steps=6, resume=True,
+        train.main(small(tiny_dense, run, steps=6, resume=True,
                          data=data.DataConfig(source=str(other / "*.txt"), val_fraction=0.1)))
     assert (run / "tokenizer.json").read_bytes() == tokenizer  # never overwritten
     # a path-only change (the cache directory) cannot change the data: the resume goes on
-    out = train.main(small(small_corpus, run, steps=6, resume=True,
+    out = train.main(small(tiny_dense, run, steps=6, resume=True,
                            data=data.DataConfig(source=small_corpus, val_fraction=0.1,
                                                 cache_dir=str(tmp_path / "cache2"))))
     assert sorted(out["losses"]) == [4, 5, 6]
     assert (run / "tokenizer.json").read_bytes() == tokenizer
 
 
-def test_resume_from_a_named_checkpoint(small_corpus, tmp_path):
-    straight = train.main(small(small_corpus, tmp_path / "a", steps=6, save_every=2, keep_checkpoints=5))
+def test_resume_from_a_named_checkpoint(tiny_dense, tmp_path):
+    straight = train.main(small(tiny_dense, tmp_path / "a", steps=6, save_every=2, keep_checkpoints=5))
     ck = tmp_path / "a" / "checkpoints"
     with pytest.raises(checkpoint.CheckpointError, match=r"no checkpoint .*step_00000005.*\['step_00000002', "
                                                          r"'step_00000004', 'step_00000006'\]"):
-        train.main(small(small_corpus, tmp_path / "a", steps=6, resume_from="5"))
+        train.main(small(tiny_dense, tmp_path / "a", steps=6, resume_from="5"))
     # by path, in another run directory's copy: the run directory follows from the path
-    out = train.main(small(small_corpus, "", steps=6, resume_from=str(ck / "step_00000002")))
+    out = train.main(small(tiny_dense, "", steps=6, resume_from=str(ck / "step_00000002")))
     assert out["run_dir"] == str(tmp_path / "a") and sorted(out["losses"]) == [3, 4, 5, 6]
     assert out["losses"] == {k: v for k, v in straight["losses"].items() if k > 2}
     assert np.isfinite(list(out["losses"].values())).all()
@@ -201,7 +180,8 @@ def test_resume_from_a_named_checkpoint(small_corpus, tmp_path):
 
 # ---------------------------------------------------------------- kill -9
 
-def test_kill_9_in_saves_and_deletions_never_loses_the_newest_complete_checkpoint(small_corpus, tmp_path):
+@pytest.mark.integration  # a kill -9 loop over subprocesses
+def test_kill_9_in_saves_and_deletions_never_loses_the_newest_complete_checkpoint(tiny_dense, tmp_path):
     """A checkpoint every step (keep 2, so every step also deletes one), killed with SIGKILL at
     random moments three times: the newest complete checkpoint always restores, the dead run's
     lock is taken over, and the last resume ends with the losses and weights of a run never killed."""
@@ -212,7 +192,7 @@ def test_kill_9_in_saves_and_deletions_never_loses_the_newest_complete_checkpoin
     seen = 0
     for _ in range(3):
         resume = ["--resume", "true"] if checkpoint.all_checkpoints(str(run / "checkpoints")) else []
-        proc = start(small_corpus, run, *args, *resume)
+        proc = start(tiny_dense, run, *args, *resume)
         wait_for_step(run, seen + 2, proc)
         time.sleep(rng.uniform(0.0, 0.4))
         proc.kill()
@@ -221,8 +201,8 @@ def test_kill_9_in_saves_and_deletions_never_loses_the_newest_complete_checkpoin
         last = checkpoint.latest(str(run / "checkpoints"))  # never raises: nothing damaged is named a checkpoint
         assert last is not None and checkpoint.verify(last, checksums=True) == []
     at = checkpoint.read_metadata(checkpoint.latest(str(run / "checkpoints")))["step"]
-    resumed = train.main(small(small_corpus, run, steps=steps, save_every=1, keep_checkpoints=2, resume=True))
-    straight = train.main(small(small_corpus, tmp_path / "straight", steps=steps, save_every=0))
+    resumed = train.main(small(tiny_dense, run, steps=steps, save_every=1, keep_checkpoints=2, resume=True))
+    straight = train.main(small(tiny_dense, tmp_path / "straight", steps=steps, save_every=0))
     assert resumed["losses"] == {k: v for k, v in straight["losses"].items() if k > at}
     for a, b in zip(jax.tree.leaves(resumed["state"]), jax.tree.leaves(straight["state"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

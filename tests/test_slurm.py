@@ -24,11 +24,19 @@ import time
 import numpy as np
 import pytest
 
-from shared.variant import ROOT
+from shared.variant import ROOT, load
 
-# tests/ is on sys.path (conftest's folder)
-from test_launch import TINY, losses, slurm, sub_env, tiny_cfg, train  # noqa: E402
-from local import free_port  # noqa: E402  (launch/ is on sys.path: test_launch puts it there)
+from helpers import losses, sub_env  # noqa: E402  (tests/helpers.py)
+
+sys.path.insert(0, os.path.join(ROOT, "launch"))
+import slurm  # noqa: E402  (launch/slurm.py)
+from local import free_port  # noqa: E402  (launch/local.py)
+
+pytestmark = pytest.mark.integration  # a real single-node SLURM (munged, slurmctld, slurmd) runs 2-task jobs
+
+train = load(os.path.join(ROOT, "variants", "dense", "train.py"))  # the one tiny_dense (conftest) runs
+# every job: the tiny dense run's 500-step schedule, stopped at STOP_AT, evaluated and saved at the end only
+JOB = {"steps": 500, "save_every": 0, "eval_every": 1000, "eval_batches": 1}
 
 SBIN = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/usr/bin", "/sbin"])
 DAEMONS, CLIENTS = ("munged", "slurmctld", "slurmd"), ("sbatch", "srun", "scontrol", "scancel", "sinfo", "squeue")
@@ -195,14 +203,12 @@ def cluster(tmp_path_factory):
         s.stop()
 
 
-def generate(tmp_path, run_dir, corpus, *train_flags) -> str:
+def generate(tmp_path, run_dir, tiny_dense, *train_flags) -> str:
     """launch/slurm.py's script for 2 tasks x 4 CPU devices on the one node."""
     script = str(tmp_path / "job.sbatch")
     assert slurm.main(["--nodes", "1", "--tasks-per-node", "2", "--gpus-per-node", "0", "--cpu-devices", "4",
                        "--time", "10", "--max-requeues", "2", "--python", sys.executable, "--workdir", ROOT,
-                       "-o", script, "--", *TINY, "--steps", "500", "--stop_at", str(STOP_AT), "--save_every", "0",
-                       "--eval_every", "1000", "--eval_batches", "1", "--data.source", corpus,
-                       "--run_dir", str(run_dir), *train_flags]) == 0
+                       "-o", script, "--", *tiny_dense.flags(run_dir, **JOB, stop_at=STOP_AT), *train_flags]) == 0
     return script
 
 
@@ -220,10 +226,10 @@ def ended(job: dict) -> bool:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(cluster, small_corpus, tmp_path_factory):
+def uninterrupted(cluster, tiny_dense, tmp_path_factory):
     """One 2-task job of the shared schedule, never signalled: (its losses, its output)."""
     tmp = tmp_path_factory.mktemp("uninterrupted")
-    jobid = cluster.submit(generate(tmp, tmp / "run", small_corpus), cwd=tmp)
+    jobid = cluster.submit(generate(tmp, tmp / "run", tiny_dense), cwd=tmp)
     out = tmp / f"slurm-{jobid}.out"
     job = cluster.wait(jobid, ended, "end", 300, out)
     text = out.read_text()
@@ -231,20 +237,19 @@ def uninterrupted(cluster, small_corpus, tmp_path_factory):
     return losses(tmp / "run"), text
 
 
-def test_two_tasks_train_under_slurm_with_the_losses_of_one_process(uninterrupted, small_corpus, tmp_path):
+def test_two_tasks_train_under_slurm_with_the_losses_of_one_process(uninterrupted, tiny_dense, tmp_path):
     got, text = uninterrupted
     for i in (0, 1):  # JAX's SLURM detection: both tasks, 4 devices each
         assert f"stencil: distributed (slurm): process {i} of 2, 4 local / 8 global devices" in text, text[-4000:]
     assert "mesh {'data': 8, 'model': 1}" in text and "no checkpoint yet, a fresh start" in text
-    one = train.main(tiny_cfg(small_corpus, tmp_path / "one", steps=500, stop_at=STOP_AT, save_every=0,
-                              eval_every=1000, eval_batches=1))["losses"]  # one process, 8 devices (conftest)
+    one = train.main(tiny_dense.config(tmp_path / "one", **JOB, stop_at=STOP_AT))["losses"]  # 1 process, 8 devices
     assert sorted(got) == sorted(one) == list(range(1, STOP_AT + 1))
     np.testing.assert_allclose([got[s] for s in sorted(got)], [one[s] for s in sorted(one)], rtol=1e-5)
 
 
-def test_usr1_saves_requeues_and_the_requeued_job_resumes_bit_exact(cluster, uninterrupted, small_corpus, tmp_path):
+def test_usr1_saves_requeues_and_the_requeued_job_resumes_bit_exact(cluster, uninterrupted, tiny_dense, tmp_path):
     run = tmp_path / "run"
-    jobid = cluster.submit(generate(tmp_path, run, small_corpus), cwd=tmp_path)
+    jobid = cluster.submit(generate(tmp_path, run, tiny_dense), cwd=tmp_path)
     out = tmp_path / f"slurm-{jobid}.out"
     wait_for_step(run, SIGNAL_AFTER, jobid, cluster)
     t = time.monotonic()
@@ -264,9 +269,9 @@ def test_usr1_saves_requeues_and_the_requeued_job_resumes_bit_exact(cluster, uni
     print(f"\nsignal at step {step}; signal to the requeued job's end {time.monotonic() - t:.1f} s")
 
 
-def test_a_task_killed_with_sigkill_fails_the_job_naming_it(cluster, small_corpus, tmp_path):
+def test_a_task_killed_with_sigkill_fails_the_job_naming_it(cluster, tiny_dense, tmp_path):
     run = tmp_path / "run"
-    jobid = cluster.submit(generate(tmp_path, run, small_corpus), cwd=tmp_path, STENCIL_HEARTBEAT_TIMEOUT="10")
+    jobid = cluster.submit(generate(tmp_path, run, tiny_dense), cwd=tmp_path, STENCIL_HEARTBEAT_TIMEOUT="10")
     out = tmp_path / f"slurm-{jobid}.out"
     t = time.monotonic()  # both tasks have joined the run (no need to wait for the compilation and a step)
     while not all(f"distributed (slurm): process {i} of 2" in (out.read_text() if out.exists() else "")

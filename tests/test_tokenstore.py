@@ -17,7 +17,7 @@ from shared import data, pretokenize, sources, tokenstore
 from shared.data import DataConfig, DataError, Loader, MixtureLoader, eval_set, load_corpus
 from shared.variant import ROOT
 
-from test_data import VOCAB, toy_split, write_corpus  # noqa: E402  (tests/ is on sys.path)
+from helpers import VOCAB, arrays, toy_split, write_corpus  # noqa: E402  (tests/helpers.py)
 
 
 def write_jsonl(path, docs, field="text"):
@@ -63,6 +63,7 @@ def assert_batches_equal(a, b):
 
 # ---------------------------------------------------------------- the tokenize command
 
+@pytest.mark.integration  # a kill -9 of the tokenize command and its workers
 def test_tokenize_killed_midway_then_rerun_equals_one_go(tmp_path, tok_file):
     inputs = tmp_path / "in"
     inputs.mkdir()
@@ -147,6 +148,7 @@ def test_store_rows_equal_the_in_memory_rows(tmp_path, tok_file):
         np.testing.assert_array_equal(corpus.val.doc_ends, val_mem.doc_ends)
 
 
+@pytest.mark.integration  # the S3 server on 127.0.0.1
 def test_a_store_written_to_the_s3_server_reads_as_the_local_one(tmp_path, tok_file, s3):
     """The tokenize command writes a store to s3:// (the S3-compatible server on 127.0.0.1, as
     AWS_ENDPOINT_URL_S3 points a real deployment at R2 or MinIO), and the loader's rows from it
@@ -379,10 +381,9 @@ def test_a_resaved_tokenizer_matches_its_store(tmp_path, tok_file):
     assert again.tokenizer_digest == first.tokenizer_digest and again.digest == first.digest
 
 
-def test_train_resumes_a_mixture_bit_exactly_and_logs_named_eval_sets(small_corpus, tmp_path, tok_file):
+def test_train_resumes_a_mixture_bit_exactly_and_logs_named_eval_sets(small_corpus, tiny_dense, tmp_path, tok_file):
     """train.main on a mixture of a store and a text source with a named eval set: stopped at step 2 and
     resumed equals a straight run (losses, weights, loader state), and eval/<name>/loss and bpb are logged."""
-    import test_train
     from tokenizers import Tokenizer
     tok = tmp_path / "tok512.json"
     Tokenizer.from_file(tok_file).save(str(tok))  # 320 tokens: fits the tiny model's vocab_size 512
@@ -391,11 +392,11 @@ def test_train_resumes_a_mixture_bit_exactly_and_logs_named_eval_sets(small_corp
     cfg = dict(data=DataConfig(source=f"s={tmp_path / 's'}@0.25,py={small_corpus}@0.75", tokenizer=str(tok),
                                eval=f"held={src / 'doc00*.txt'}", val_fraction=0.1),
                steps=4, save_every=0, eval_every=2, eval_batches=1)
-    straight = test_train.train.main(test_train.small(small_corpus, tmp_path / "a", **cfg))
-    test_train.train.main(test_train.small(small_corpus, tmp_path / "b", stop_at=2, **cfg))
-    resumed = test_train.train.main(test_train.small(small_corpus, tmp_path / "b", resume=True, **cfg))
+    straight = tiny_dense.train.main(tiny_dense.config(tmp_path / "a", **cfg))
+    tiny_dense.train.main(tiny_dense.config(tmp_path / "b", stop_at=2, **cfg))
+    resumed = tiny_dense.train.main(tiny_dense.config(tmp_path / "b", resume=True, **cfg))
     assert resumed["losses"] == {k: v for k, v in straight["losses"].items() if k > 2}
-    for a, b in zip(test_train.arrays(straight["state"]), test_train.arrays(resumed["state"])):
+    for a, b in zip(arrays(straight["state"]), arrays(resumed["state"])):
         np.testing.assert_array_equal(a, b)
     rows = [json.loads(line) for line in open(tmp_path / "a" / "metrics.jsonl")]
     last = rows[-1]

@@ -16,30 +16,18 @@ import pytest
 from shared import checkpoint, data, run
 from shared.variant import ROOT, load
 
-train = load(os.path.join(ROOT, "variants", "dense", "train.py"))
+from helpers import arrays  # noqa: E402  (tests/helpers.py)
+
+train = load(os.path.join(ROOT, "variants", "dense", "train.py"))  # the one tiny_dense (conftest) runs
 model = train.model
 SCRIPT = os.path.join(ROOT, "variants", "dense", "train.py")
 
 
-def small(small_corpus, run_dir, **over):
-    kw = dict(
-        data=data.DataConfig(source=small_corpus, val_fraction=0.1),
-        model=model.ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128),
-        seq_len=32, batch_size=8, steps=6, warmup_steps=1, eval_every=3, eval_batches=2, log_every=1,
-        save_every=3, run_dir=str(run_dir), wandb="disabled", sample_tokens=0)
-    kw.update(over)
-    return train.TrainConfig(**kw)
-
-
-def arrays(tree):
-    return [np.asarray(x) for x in jax.tree.leaves(tree)]
-
-
-def test_resume_is_bit_exact(small_corpus, tmp_path):
-    straight = train.main(small(small_corpus, tmp_path / "a"))
-    first = train.main(small(small_corpus, tmp_path / "b", stop_at=3))
+def test_resume_is_bit_exact(tiny_dense, tmp_path):
+    straight = train.main(tiny_dense.config(tmp_path / "a"))
+    first = train.main(tiny_dense.config(tmp_path / "b", stop_at=3))
     assert sorted(first["losses"]) == [1, 2, 3]
-    resumed = train.main(small(small_corpus, tmp_path / "b", resume=True))
+    resumed = train.main(tiny_dense.config(tmp_path / "b", resume=True))
     assert sorted(resumed["losses"]) == [4, 5, 6]
     assert {**first["losses"], **resumed["losses"]} == straight["losses"]  # exact floats, same data order
     for a, b in zip(arrays(straight["state"]), arrays(resumed["state"])):
@@ -49,20 +37,20 @@ def test_resume_is_bit_exact(small_corpus, tmp_path):
     assert meta_a["loader"] == meta_b["loader"] and meta_a["step"] == meta_b["step"] == 6
 
 
-def test_fresh_run_refuses_to_overwrite_checkpoints(small_corpus, tmp_path):
-    train.main(small(small_corpus, tmp_path, steps=2, save_every=0))
+def test_fresh_run_refuses_to_overwrite_checkpoints(tiny_dense, tmp_path):
+    train.main(tiny_dense.config(tmp_path, steps=2, save_every=0))
     with pytest.raises(run.TrainingError, match="--resume"):
-        train.main(small(small_corpus, tmp_path, steps=2, save_every=0))
+        train.main(tiny_dense.config(tmp_path, steps=2, save_every=0))
     with pytest.raises(run.TrainingError, match="model config differs"):
-        train.main(small(small_corpus, tmp_path, steps=4, save_every=0, resume=True,
+        train.main(tiny_dense.config(tmp_path, steps=4, save_every=0, resume=True,
                          model=model.ModelConfig(vocab_size=512, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2,
                                                  head_dim=16, d_ff=128)))
     # another optimizer, or the weight average turned on: a clear refusal, not a leaf mismatch
     with pytest.raises(run.TrainingError, match=r"holds the state of --optimizer adamw, and this run asks for "
                                                   r"--optimizer muon.*resume with --optimizer adamw"):
-        train.main(small(small_corpus, tmp_path, steps=4, save_every=0, resume=True, optimizer="muon"))
+        train.main(tiny_dense.config(tmp_path, steps=4, save_every=0, resume=True, optimizer="muon"))
     with pytest.raises(run.TrainingError, match=r"saved with --optim.ema 0.0 and this run asks for --optim.ema 0.9"):
-        train.main(small(small_corpus, tmp_path, steps=4, save_every=0, resume=True,
+        train.main(tiny_dense.config(tmp_path, steps=4, save_every=0, resume=True,
                          optim=dataclasses.replace(train.TrainConfig().optim, ema=0.9)))
 
 
@@ -72,9 +60,9 @@ def _batch(cfg, mesh, accum):
     return train.to_device(rows, mesh, (accum,))
 
 
-def test_restore_onto_other_device_count(small_corpus, tmp_path):
+def test_restore_onto_other_device_count(tiny_dense, tmp_path):
     """Saved from 8 devices (data=8), restored on 2 (data=2) and 1: same values, same next step."""
-    cfg = small(small_corpus, tmp_path, steps=3, save_every=0)
+    cfg = tiny_dense.config(tmp_path, steps=3, save_every=0)
     out = train.main(cfg)
     path = checkpoint.latest(str(tmp_path / "checkpoints"))
     opt, schedule = train.make_optimizer(cfg)
@@ -93,9 +81,9 @@ def test_restore_onto_other_device_count(small_corpus, tmp_path):
     np.testing.assert_allclose(results, results[0], rtol=2e-6)
 
 
-def test_grad_accumulation_equals_large_batch(small_corpus, tmp_path):
-    cfg1 = small(small_corpus, tmp_path, batch_size=16)
-    cfg4 = small(small_corpus, tmp_path, batch_size=16, grad_accum=2)
+def test_grad_accumulation_equals_large_batch(tiny_dense, tmp_path):
+    cfg1 = tiny_dense.config(tmp_path, batch_size=16)
+    cfg4 = tiny_dense.config(tmp_path, batch_size=16, grad_accum=2)
     mesh = train.make_mesh(cfg1)
     opt, schedule = train.make_optimizer(cfg1)
     with jax.set_mesh(mesh):
@@ -108,20 +96,20 @@ def test_grad_accumulation_equals_large_batch(small_corpus, tmp_path):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_impossible_configs_fail_before_compiling(small_corpus, tmp_path, monkeypatch):
+def test_impossible_configs_fail_before_compiling(tiny_dense, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="grad_accum"):
-        small(small_corpus, tmp_path, batch_size=6, grad_accum=4)
+        tiny_dense.config(tmp_path, batch_size=6, grad_accum=4)
     with pytest.raises(ValueError, match="n_heads"):
         model.ModelConfig(n_heads=6, n_kv_heads=4)
     with pytest.raises(ValueError, match="compute_dtype"):
         model.ModelConfig(compute_dtype="float16")
     monkeypatch.setattr(train, "make_train_step", lambda *a: pytest.fail("compiled before validating"))
     with pytest.raises(ValueError, match="batch_size.*divisible by the data axis"):
-        train.main(small(small_corpus, tmp_path, batch_size=4))  # 8 devices on `data`
+        train.main(tiny_dense.config(tmp_path, batch_size=4))  # 8 devices on `data`
     with pytest.raises(ValueError, match="mesh_data"):
-        train.main(small(small_corpus, tmp_path, mesh_data=3))
+        train.main(tiny_dense.config(tmp_path, mesh_data=3))
     with pytest.raises(ValueError, match="n_kv_heads"):
-        train.main(small(small_corpus, tmp_path, mesh_data=2, mesh_model=4))
+        train.main(tiny_dense.config(tmp_path, mesh_data=2, mesh_model=4))
 
 
 def test_warmup_default_fits_any_run_length():
@@ -134,9 +122,9 @@ def test_warmup_default_fits_any_run_length():
             train.TrainConfig(steps=steps, warmup_steps=warmup)
 
 
-def test_config_json_records_the_kernels_the_step_used(small_corpus, tmp_path):
+def test_config_json_records_the_kernels_the_step_used(tiny_dense, tmp_path):
     """Which backend each kernel op took (chosen while the first step compiled) is in the run's config.json."""
-    train.main(small(small_corpus, tmp_path, steps=2, save_every=0, eval_every=2))
+    train.main(tiny_dense.config(tmp_path, steps=2, save_every=0, eval_every=2))
     with open(tmp_path / "config.json") as f:
         used = json.load(f)["kernels"]
     assert {"attention", "cross_entropy", "rms_norm"} <= set(used), used
@@ -176,13 +164,13 @@ def poison(monkeypatch, at: int, metrics: tuple = ()):
     monkeypatch.setattr(train, "make_train_step", poisoned)
 
 
-def test_nan_loss_stops_and_keeps_last_good_checkpoint(small_corpus, tmp_path, monkeypatch):
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tiny_dense, tmp_path, monkeypatch):
     poison(monkeypatch, 5, ("train/loss",))  # step 5 blows up: NaN loss and NaN parameters
     with pytest.raises(run.TrainingError, match=r"loss nan, grad_norm .* at step 5.*step_00000003"):
-        train.main(small(small_corpus, tmp_path, steps=8, save_every=3))
+        train.main(tiny_dense.config(tmp_path, steps=8, save_every=3))
     ckpts = checkpoint.all_checkpoints(str(tmp_path / "checkpoints"))
     assert [os.path.basename(c) for c in ckpts] == ["step_00000003"]
-    cfg = small(small_corpus, tmp_path, steps=8, save_every=3)
+    cfg = tiny_dense.config(tmp_path, steps=8, save_every=3)
     opt, _ = train.make_optimizer(cfg)
     with jax.set_mesh(train.make_mesh(cfg)):
         target = jax.eval_shape(lambda k: train.init_state(cfg, opt, k), jax.random.key(0))
@@ -195,6 +183,7 @@ def run_cli(*args, **kw):
     return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, env=env, timeout=300, **kw)
 
 
+@pytest.mark.integration  # a subprocess: the command as a user runs it
 def test_cli_trains_samples_and_reports_bad_flags(small_corpus, tmp_path):
     r = run_cli("--data.source", small_corpus, "--model.vocab_size", "512", "--seq_len", "32", "--batch_size", "8",
                 "--steps", "4", "--log_every", "2", "--eval_every", "3",  # the default warmup fits 4 steps
@@ -220,21 +209,21 @@ def test_cli_trains_samples_and_reports_bad_flags(small_corpus, tmp_path):
 
 
 @pytest.mark.parametrize("poison_", ["grad_norm", "params"])
-def test_a_bad_update_with_a_finite_loss_is_never_saved(small_corpus, tmp_path, monkeypatch, poison_):
+def test_a_bad_update_with_a_finite_loss_is_never_saved(tiny_dense, tmp_path, monkeypatch, poison_):
     """The loss of step N comes before step N's update: a step whose update is bad (a non-finite
     gradient norm; or weights gone non-finite with finite metrics) is never saved as good."""
     poison(monkeypatch, 6, ("optim/grad_norm",) if poison_ == "grad_norm" else ())  # step 6, a save step
     error = (run.TrainingError, r"loss [0-9.]+, grad_norm nan at step 6.*step_00000003") if poison_ == "grad_norm" \
         else (checkpoint.CheckpointError, r"not saving step 6: non-finite values.*step_00000003")
     with pytest.raises(error[0], match=error[1]):
-        train.main(small(small_corpus, tmp_path, steps=8, save_every=3))
+        train.main(tiny_dense.config(tmp_path, steps=8, save_every=3))
     assert [os.path.basename(c) for c in checkpoint.all_checkpoints(str(tmp_path / "checkpoints"))] == ["step_00000003"]
 
 
-def test_profile_steps_capture_a_trace_whose_top_ops_name_the_model_scopes(small_corpus, tmp_path, capsys):
+def test_profile_steps_capture_a_trace_whose_top_ops_name_the_model_scopes(tiny_dense, tmp_path, capsys):
     """--profile_steps A:B writes a jax.profiler trace and the compiled step's text into <run_dir>/profile;
     tools/profile_top.py lists the ops by self time with the named scopes of the model they come from."""
-    train.main(small(small_corpus, tmp_path, steps=4, save_every=0, profile_steps="2:3"))
+    train.main(tiny_dense.config(tmp_path, steps=4, save_every=0, profile_steps="2:3"))
     top = load(os.path.join(ROOT, "tools", "profile_top.py"))
     capsys.readouterr()
     assert top.main([str(tmp_path / "profile"), "--csv", str(tmp_path / "ops.csv")]) == 0
