@@ -75,7 +75,7 @@ def fresh_record(monkeypatch):
 def test_auto_on_cpu_takes_the_reference_or_blocked_by_the_measured_rule(monkeypatch, fresh_record):
     """The GPU backends are unavailable on CPU, and `auto` takes the reference for every op there but
     attention, where it takes blocked where the rule measured on CPU says it pays (float32, causal,
-    T >= 128, no window or one of at least 32; shared/kernels/blocked_attention.py). A rule of the
+    T >= 128, no window or one of at least 48; shared/kernels/blocked_attention.py). A rule of the
     call's shape alone: the same call picks the same backend every time (a resumed run too)."""
     monkeypatch.delenv("STENCIL_KERNELS", raising=False)
     assert set(GPU_ONLY) == set(kernels.REGISTRIES)
@@ -98,8 +98,8 @@ def test_auto_on_cpu_takes_the_reference_or_blocked_by_the_measured_rule(monkeyp
         after = kernels.choices()["attention"]
         return [b for b, keys in after.items() if len(keys) > before.get(b, 0)]
 
-    assert auto(128) == ["blocked"] and auto(256, window=64) == ["blocked"] and auto(512, window=32) == ["blocked"]
-    assert auto(64) == ["reference"] and auto(512, window=16) == ["reference"]
+    assert auto(128) == ["blocked"] and auto(256, window=64) == ["blocked"] and auto(512, window=48) == ["blocked"]
+    assert auto(64) == ["reference"] and auto(512, window=32) == ["reference"]
     assert auto(136, jnp.bfloat16) == ["reference"] and auto(144, causal=False) == ["reference"]  # (a new shape
     # each: the record keeps one entry per backend and shape)
     assert auto(128) == [] and auto(64) == []  # the same calls again: the same choice, not recorded twice

@@ -44,7 +44,7 @@ Backends, in the order `auto` tries them:
              mask or a window hides entirely are never computed (O(T * W) for a window). Every
              mask, soft-capping, GQA and `return_lse`; refuses a window without the causal mask
              when T != S (as pallas). `auto` takes it on CPU only, by a rule of the call's shape
-             measured there (float32, causal, T >= 128, window >= 32: `blocked_attention.auto_skip`,
+             measured there (float32, causal, T >= 128, window >= 48: `blocked_attention.auto_skip`,
              with the figures); the reference otherwise. UNVERIFIED ON GPU.
   reference  XLA einsums with an fp32 softmax. Always available; the ground truth.
              Causal calls with a window W < T take a blockwise path: queries in blocks of

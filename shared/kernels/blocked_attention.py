@@ -25,10 +25,35 @@ matmul itself). A cotangent g on the returned lse enters as delta = rowsum(dO * 
 (d lse / d logit = the softmax weight). JAX's own differentiation of the same loop
 measured slower (figures below), and keeps every offset's probabilities for the backward.
 
-Measured on the 2-core CPU machine, fp32, forward + backward, best of the interleaved
-rounds, blocked / reference in one process (`python tools/bench_attention.py --shape
-B,T,H,Hkv,D [--window W] --segments 4`); see `auto_rule` for the table and the rule
-`auto` derives from it.
+Measured on the project's 2-core CPU machine, float32, 4 documents packed per row, with
+other jobs running beside (load average 5 to 9: quote the ratios, not the times). Each row
+is one process, blocked (its default block) against the reference in interleaved rounds:
+the per-round ratio of their times, median (min-max) over 7 rounds of 3 calls each:
+
+    python tools/bench_attention.py --shape B,T,H,Hkv,D [--window W] --rounds 7 --calls 3
+
+    B,T,H,Hkv,D      window  where it occurs                      fwd                fwd+bwd            auto
+    32,128,4,2,32    -       dense, kda: CPU default              0.84 (0.36-1.97)   0.53 (0.22-0.63)   blocked
+    16,256,4,2,32    -       swa_hybrid, moe_hero: global layers  0.21 (0.11-0.39)   0.52 (0.45-0.79)   blocked
+    16,256,4,2,32    64      their local layers                   0.59 (0.48-1.05)   0.71 (0.65-0.93)   blocked
+    8,512,4,2,32     -                                            0.31 (0.19-0.81)   0.45 (0.38-0.46)   blocked
+    16,256,4,2,32    48      (blocks of 32; 9 rounds)             0.66 (0.56-0.99)   0.82 (0.62-1.02)   blocked
+    16,256,4,2,32    32      (9 rounds)                           0.85 (0.47-2.20)   1.03 (0.93-1.26)   reference
+    16,256,4,2,32    16                                           0.89 (0.54-1.52)   1.13 (0.74-2.16)   reference
+    32,64,4,2,32     -                                            0.79 (0.52-1.83)   0.95 (0.68-1.41)   reference
+    8,32,4,2,8       -       (blocks of 32; 5 rounds)             1.00 (0.86-1.15)   1.31 (1.24-1.45)   reference
+
+Against the reference's blockwise path (windows) the gain is smaller than against its dense
+one, and below a window of 48 there is none; below T = 128 neither. `auto_skip` is that
+table as a rule. The block size (`default_block`), from the same tool with `--backends
+blocked@16,blocked@32,blocked@64,reference` (forward + backward ratio to the reference,
+5 rounds): at 32 x 128, blocks of 16 / 32 / 64 / 128 gave 0.93 / 0.65 / 0.54 / 1.74; at
+8 x 512, 32 / 64 / 128 / 256 gave 0.48 / 0.43 / 0.49 / 0.65; at 16 x 256, 32 / 64 / 128
+gave 0.69 / 0.57 / 0.70; with window 64, 16 / 32 / 64 gave 0.94 / 0.71 / 0.73; with
+window 48, 0.93 / 0.82 / 0.94; at 32 x 64, 1.19 / 0.90 / 1.11. JAX's own differentiation
+of the same loop (no custom VJP; blocks of 32, timed by the same tool through a
+throwaway registry entry) took 1.38x the reference's forward + backward at 32 x 128,
+where the custom VJP took 0.65x.
 
 Runs wherever XLA does. UNVERIFIED ON GPU: measured and tested on CPU only; on a GPU
 `auto` passes over it (the Pallas, cuDNN and FlashAttention-4 kernels are meant there).
@@ -49,7 +74,7 @@ NEG = -1e30  # a masked logit, as in the reference
 def default_block(T: int, window: int | None) -> int:
     """Tokens per block: 64, or 32 where the row (T <= 64) or the window (< 64) is short, 16 for a
     window or row of at most 16 tokens. Measured on CPU (module docstring): smaller blocks skip more
-    masked pairs but their matmuls are too small to pay (at T = 128, 64 beat 32 and 16)."""
+    masked pairs, but their matmuls are too small to pay (at T = 128, 64 beat 32 and 16)."""
     L = T if window is None else min(T, window)
     if L <= 16:
         return 16
@@ -58,7 +83,7 @@ def default_block(T: int, window: int | None) -> int:
 
 def auto_skip(c) -> str | None:
     """Why `auto` passes over the blocked backend for attention call `c` (attention.Call), or None where
-    it takes it: on CPU, in float32, causal, T >= 128, and a window (if any) of at least 32 tokens.
+    it takes it: on CPU, in float32, causal, T >= 128, and a window (if any) of at least 48 tokens.
     A rule of the call's shape alone, from the measurements in the module docstring, never a timing
     taken at run time: a resumed run picks what the run it resumes picked."""
     platform = jax.default_backend()
@@ -71,8 +96,8 @@ def auto_skip(c) -> str | None:
     T = c.q_shape[1]
     if T < 128:
         return f"T={T} < 128: no faster than the reference on CPU (measured at T = 32 and 64)"
-    if c.window is not None and c.window < 32:
-        return f"window {c.window} < 32: the reference's blockwise path is faster on CPU (measured at 16)"
+    if c.window is not None and c.window < 48:
+        return f"window {c.window} < 48: the reference's blockwise path is as fast on CPU (measured at 16 and 32)"
     return None
 
 
@@ -159,7 +184,11 @@ def _forward(q, k, v, segs, o):
         m_old = m[:, :, lo:hi]
         m_new = jnp.maximum(m_old, jnp.max(s, axis=-1))
         alpha = jnp.exp(m_old - m_new)
-        p = jnp.exp(s - m_new[..., None])  # a masked logit gives 0 once the row has seen a visible key
+        # A masked logit gives exp(NEG - m_new) = 0 once the row's max is a visible logit. A row whose every
+        # key so far was masked (m_new = NEG) sums exp(0) = 1s here; alpha = exp(NEG - m) = 0 wipes them
+        # at its first visible key. Every real row sees one: itself at offset 0 (causal, or T == S), or
+        # every key (non-causal, no window); the rest is refused (attention.py).
+        p = jnp.exp(s - m_new[..., None])
         pv = jnp.einsum("bknqs,bknsd->bknqd", _flat(p).astype(v.dtype), v[:, :, lo - d:hi - d],
                         preferred_element_type=jnp.float32)
         acc = lax.dynamic_update_slice_in_dim(
