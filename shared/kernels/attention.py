@@ -13,8 +13,8 @@ query's log-sum-exp over its visible keys of the scaled, soft-capped logits, i.e
 its softmax denominator. It is differentiable (d lse / d logit = the softmax weight), so a
 variant can build on it; e.g. learned attention sinks, a per-head logit s joining the
 denominator without a value: `out * jax.nn.sigmoid(lse - s)[..., None]`. A query with no
-visible key (possible only with causal=False, a window, and T > S + W - 1; pallas refuses
-such calls) gets lse = -1e30, the value masked logits take. Backends that cannot return a
+visible key (possible only with causal=False, a window, and T > S + W - 1; pallas and
+blocked refuse such calls) gets lse = -1e30, the value masked logits take. Backends that cannot return a
 correct, differentiable lse refuse `return_lse` by name (cudnn, flash4), so `auto` passes
 over them.
 
@@ -62,9 +62,9 @@ and recorded (`kernels.choices()`). On CPU two backends run, blocked and the ref
 `auto` takes blocked where its rule says it was measured faster (above; a rule of the
 call's shape, so a resumed run makes the same choice), else the reference. Pallas runs on
 CPU only in interpret mode, called directly, never as a backend; dispatch.py says when a
-CPU-capable backend may enter `auto`. A backend named explicitly
-that is unavailable, or cannot express the masks asked for, raises AttentionError saying
-why; there is never a silent fallback. The order (cuDNN before FA4 before Pallas) is the
+CPU-capable backend may enter `auto`. A backend named explicitly that is unavailable, or
+cannot express the masks asked for, raises AttentionError saying why; there is never a
+silent fallback. The order (cuDNN before FA4 before Pallas) is the
 expected speed on a GPU, unmeasured: `python -m shared.kernels.selfcheck` on a GPU measures it.
 """
 

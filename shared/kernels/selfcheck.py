@@ -22,9 +22,9 @@ A backend that refuses a case (e.g. cuDNN has no soft-capping, FlashAttention-4 
 ids) is listed as `refused` with its reason: that is the backend declining a call it cannot
 compute, which `auto` passes over, not a failure. On a machine without a GPU the Pallas
 kernels run in interpret mode (correctness only: their times mean nothing) and everything
-else is whatever backends run on CPU (today blocked attention and the reference). The exit status is 1 if
-any backend that ran misses its tolerance (1e-4 in fp32, 3e-2 in bf16) or crashes, else 0;
-refusals never change it.
+else is whatever backends run on CPU (today blocked attention and the reference). The exit
+status is 1 if any backend that ran misses its tolerance (1e-4 in fp32, 3e-2 in bf16) or
+crashes, else 0; refusals never change it.
 """
 
 from __future__ import annotations
