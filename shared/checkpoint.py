@@ -1,12 +1,9 @@
 """Checkpoints on any storage: one tensorstore (zarr3) array per pytree leaf, plus JSON metadata.
 
-Where: `directory` is a local path, `file://PATH`, `gs://BUCKET/PREFIX` or `s3://BUCKET/PREFIX`.
-Every operation (list, write, commit, read, delete) goes through tensorstore's kvstore drivers
-(file, gcs, s3), so nothing here needs a rename or a directory, and no cloud SDK is installed.
-Credentials are the drivers' own: for gs://, Application Default Credentials (and
-`TENSORSTORE_GCS_HTTP_URL` for another endpoint, such as an emulator); for s3://, the usual
-`AWS_*` variables, `~/.aws` files or instance roles, and for an S3-compatible store (R2,
-MinIO, a local server) `AWS_ENDPOINT_URL_S3` or `AWS_ENDPOINT_URL` with `AWS_REGION`.
+Where: `directory` is any location of shared/objstore.py (a local path, `file://PATH`,
+`gs://BUCKET/PREFIX` or `s3://BUCKET/PREFIX`, with the drivers' own credentials). Every operation
+(list, write, commit, read, delete) goes through tensorstore's kvstore drivers, so nothing here
+needs a rename or a directory.
 
 Layout of a checkpoint directory:
 
@@ -65,7 +62,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
 import sys
 import threading
@@ -77,14 +73,17 @@ import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 
+from shared import objstore
+from shared.errors import StencilError
+
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _LEFTOVER = re.compile(r"^step_(\d{8})\.(tmp|deleting)$")  # left by the older rename-based protocol
 COMMIT = "metadata.json"  # the commit record: a checkpoint is complete iff it exists
 COMMIT_TIMEOUT_S = 3600.0  # how long process 0 waits for the other processes' files.p<i>.json
 
 
-class CheckpointError(RuntimeError):
-    pass
+class CheckpointError(StencilError, RuntimeError):
+    """A checkpoint that is missing, damaged, or cannot be written; the message names it."""
 
 
 def _sync(name: str) -> None:
@@ -94,98 +93,22 @@ def _sync(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-# ---------------------------------------------------------------- storage locations
+# ---------------------------------------------------------------- storage locations (shared/objstore.py)
 
-def is_url(location: str) -> bool:
-    return "://" in location
-
-
-def location_error(location: str) -> str | None:
-    """Why `location` is not a usable checkpoint directory (None if it is)."""
-    try:
-        kvstore_spec(location)
-    except CheckpointError as e:
-        return str(e)
-    return None
-
-
-# Request retries on object stores: None = the driver's own (many retries with long backoff: a store that
-# is unreachable makes an operation wait for minutes). `python -m shared.checkpoint` bounds them.
-REQUEST_RETRIES: dict | None = None
-
-
-def kvstore_spec(location: str) -> dict:
-    """The tensorstore kvstore spec of a folder: a local path, file://, gs://bucket/prefix, s3://bucket/prefix."""
-    loc = location[len("file://"):] if location.startswith("file://") else location
-    if "\0" in loc:
-        raise CheckpointError(f"{location!r}: contains a NUL byte")
-    if not is_url(loc):
-        if not loc:
-            raise CheckpointError("an empty path is not a checkpoint directory")
-        if os.path.isfile(loc):
-            raise CheckpointError(f"{location!r} is a file, not a directory")
-        return {"driver": "file", "path": os.path.abspath(loc) + "/"}  # abspath: the file driver refuses ".."
-    scheme, rest = loc.split("://", 1)
-    bucket, _, prefix = rest.partition("/")
-    if scheme not in ("gs", "s3") or not bucket:
-        raise CheckpointError(f"{location!r}: a checkpoint location is a local path, file://PATH, "
-                              "gs://BUCKET[/PREFIX] or s3://BUCKET[/PREFIX]")
-    if ".." in prefix.split("/"):
-        raise CheckpointError(f"{location!r}: '..' is not allowed in an object-store prefix")
-    path = prefix.strip("/") + "/" if prefix.strip("/") else ""
-    retries = {"context": {f"{'gcs' if scheme == 'gs' else 's3'}_request_retries": REQUEST_RETRIES}} \
-        if REQUEST_RETRIES else {}
-    if scheme == "gs":
-        return {"driver": "gcs", "bucket": bucket, "path": path, **retries}
-    spec = {"driver": "s3", "bucket": bucket, "path": path, **retries}
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    if endpoint:  # an S3-compatible store (R2, MinIO, a local server): the region must be named
-        spec["endpoint"] = endpoint
-        spec["aws_region"] = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-    return spec
-
-
-def join(location: str, name: str) -> str:
-    return location.rstrip("/") + "/" + name if is_url(location) else os.path.join(location, name)
-
-
-def _parent(path: str) -> str:
-    return path.rsplit("/", 1)[0] if is_url(path) else (os.path.dirname(path) or ".")
-
-
-def _basename(path: str) -> str:
-    return path.rstrip("/").rsplit("/", 1)[-1]
-
-
-@functools.lru_cache(maxsize=64)
-def _open_store(spec_json: str):
-    return ts.KvStore.open(json.loads(spec_json)).result()
+is_url, join, location_error = objstore.is_url, objstore.join, objstore.location_error
+_parent, _basename = objstore.parent, objstore.basename
 
 
 def _store(location: str):
-    return _open_store(json.dumps(kvstore_spec(location), sort_keys=True))
-
-
-def _scan(directory: str) -> dict[str, set[str]]:
-    """{top-level name: {keys under it}} of everything stored under `directory`."""
-    out: dict[str, set[str]] = {}
-    for key in _store(directory).list().result():
-        top, _, rest = key.decode().partition("/")
-        out.setdefault(top, set()).add(rest)
-    return out
+    try:
+        return objstore.store(location)
+    except objstore.LocationError as e:
+        raise CheckpointError(str(e)) from e
 
 
 def _delete(folder: str) -> None:
     """Delete everything stored under `folder`: its commit record first, then the rest."""
-    store = _store(folder)
-    store.write(COMMIT, None).result()
-    store.delete_range(ts.KvStore.KeyRange()).result()
-    if not is_url(folder) and os.path.isdir(folder):  # the file driver leaves empty directories: tidy them
-        for d, _, _ in sorted(os.walk(folder), key=lambda w: -len(w[0])):
-            try:
-                os.rmdir(d)
-            except OSError:
-                pass  # not empty: something was written there meanwhile
+    objstore.delete(folder, first=COMMIT)
 
 
 # ---------------------------------------------------------------- saving
@@ -201,9 +124,9 @@ def leaf_names(tree) -> list[str]:
 
 def _spec(root: str, name: str, ocdbt: bool) -> dict:
     if ocdbt:
-        kv = {"driver": "ocdbt", "base": kvstore_spec(join(root, "arrays")), "path": name}
+        kv = {"driver": "ocdbt", "base": objstore.kvstore_spec(join(root, "arrays")), "path": name}
     else:
-        kv = kvstore_spec(join(join(root, "arrays"), name))
+        kv = objstore.kvstore_spec(join(join(root, "arrays"), name))
     # every chunk is stored, a fill-valued one too: a missing chunk is then always an error, never zeros
     return {"driver": "zarr3", "kvstore": kv, "store_data_equal_to_fill_value": True}
 
@@ -371,7 +294,7 @@ def _wait_for_files(store, process: int, step: int) -> dict:
 
 def _tidy(directory: str, final: str, keep: int) -> None:
     """After a commit: delete partial saves and leftovers, and all but the newest `keep` complete checkpoints."""
-    scan = _scan(directory)
+    scan = objstore.scan(directory)
     for name, keys in scan.items():
         if _LEFTOVER.match(name) or (_STEP_DIR.match(name) and COMMIT not in keys):
             _delete(join(directory, name))
@@ -497,7 +420,7 @@ def verify(path: str, checksums: bool = False) -> list[str]:
 def _step_dirs(directory: str) -> list[str]:
     """Committed checkpoints (a commit record is there), oldest first, whatever their state.
     Partial saves (no commit record) and leftovers of the older protocol are not listed."""
-    scan = _scan(directory)
+    scan = objstore.scan(directory)
     return [join(directory, name) for name in sorted(scan) if _STEP_DIR.match(name) and COMMIT in scan[name]]
 
 
@@ -645,12 +568,12 @@ def main(argv=None) -> int:
     ls.add_argument("directory", metavar="DIR")
     ls.add_argument("--quiet", action="store_true", help="print nothing; the exit code says it")
     args = ap.parse_args(argv)
-    global REQUEST_RETRIES
-    before, REQUEST_RETRIES = REQUEST_RETRIES, {"max_retries": 5, "initial_delay": "0.5s", "max_delay": "5s"}
+    before = objstore.REQUEST_RETRIES
+    objstore.REQUEST_RETRIES = {"max_retries": 5, "initial_delay": "0.5s", "max_delay": "5s"}
     try:  # an answer within about 15 s, also from a store that does not answer
         return _list(args)
     finally:
-        REQUEST_RETRIES = before
+        objstore.REQUEST_RETRIES = before
 
 
 def _list(args) -> int:

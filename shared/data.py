@@ -1,11 +1,13 @@
-"""Data: text or token stores -> packed rows of seq_len+1 tokens, one source or a weighted mixture.
+"""Data at run time: token stores -> packed rows of seq_len+1 tokens, one source or a weighted mixture.
 
 Every input goes through a token store (shared/tokenstore.py: shards of token ids, document
-boundaries and a manifest). A store made by `python -m shared.tokenize` is read as it is; the
+boundaries and a manifest). A store made by `python -m shared.pretokenize` is read as it is; the
 built-in default (`stdlib`: the running interpreter's standard library, so nothing is ever
-downloaded), text files and a `.npy` of token ids are tokenized once into a store in the cache
-(keyed by a hash of the documents, the vocab size, the tokenizer and FORMAT_VERSION), so a second
-load is fast. Rows are read from the store on demand: nothing loads a whole store.
+downloaded), text files and a `.npy` of token ids are tokenized once into a store in the cache by
+shared/sources.py (the offline part: reading documents, tokenizers, building stores), so a second
+load is fast. Rows are read from the store on demand: nothing loads a whole store. This module holds
+the run-time part: the data config, opening a corpus, packing rows, the loaders, evaluation sets and
+bits per byte.
 
 `--data.source` names one source (`stdlib`; comma-separated paths/globs of text files; one .npy;
 one token store, a folder or a URL) or a mixture of named sources with weights:
@@ -31,38 +33,25 @@ by row in full gives exactly bits / bytes of its whole documents.
 from __future__ import annotations
 
 import dataclasses
-import glob
-import gzip
 import hashlib
-import io
 import json
 import math
 import os
 import re
-import shutil
-import sys
-import sysconfig
-import uuid
 import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
-from tqdm import tqdm
 
-from shared import tokenstore
+from shared import sources
+from shared.config import check
 from shared.tokenstore import DataError, TokenStore  # noqa: F401  (DataError is data.DataError)
 
-FORMAT_VERSION = 2
-EOS = "<|eos|>"
-TEXT_EXTS = (".txt", ".md", ".py", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
-TRAIN_BYTES = 8_000_000  # the BPE is trained on an evenly strided subset of about this size
-EOS_CANDIDATES = (EOS, "<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 NAME = re.compile(r"^([A-Za-z_][A-Za-z0-9_.-]*)=(.+)$")
 
 
 def _check(ok: bool, name: str, why: str) -> None:
-    if not ok:
-        raise DataError(f"data.{name}: {why}")
+    check(ok, f"data.{name}", why, DataError)
 
 
 @dataclass(frozen=True)
@@ -260,242 +249,6 @@ class Corpus:
         return self.tokenizer
 
 
-# ---------------------------------------------------------------- reading documents
-
-def stdlib_files() -> list[str]:
-    """The standard library's .py files, without site-packages/dist-packages, sorted."""
-    root = sysconfig.get_paths()["stdlib"]
-    out = []
-    for d, subdirs, files in os.walk(root):
-        subdirs[:] = [s for s in subdirs if s not in ("site-packages", "dist-packages", "__pycache__")]
-        out += [os.path.join(d, f) for f in files if f.endswith(".py")]
-    if not out:
-        raise DataError(f"no .py files found in the standard library at {root}")
-    return sorted(out)
-
-
-def source_files(source: str) -> list[str]:
-    """Files named by a comma-separated list of paths, directories or globs, sorted."""
-    if source == "stdlib":
-        return stdlib_files()
-    files = set()
-    for pat in (p.strip() for p in source.split(",")):
-        if not pat:
-            continue
-        pat = os.path.expanduser(pat)
-        if os.path.isdir(pat):
-            found = [f for f in glob.glob(os.path.join(pat, "**", "*"), recursive=True)
-                     if f.endswith(TEXT_EXTS) and os.path.isfile(f)]
-        else:
-            found = [f for f in glob.glob(pat, recursive=True) if os.path.isfile(f)]
-        if not found:
-            raise DataError(f"data source pattern {pat!r} matches no files")
-        for f in found:
-            if not f.endswith(TEXT_EXTS + (".npy",)):
-                raise DataError(f"unsupported file type {f!r}; expected one of {TEXT_EXTS + ('.npy',)}")
-        files.update(found)
-    if not files:
-        raise DataError(f"data source {source!r} names no files")
-    return sorted(files)
-
-
-def _open_text(path: str) -> bytes:
-    raw = open(path, "rb").read()
-    try:
-        if path.endswith(".gz"):
-            return gzip.decompress(raw)
-        if path.endswith(".zst"):
-            try:
-                import zstandard
-            except ImportError:
-                raise DataError(f"{path}: reading .zst needs zstandard (pip install -e '.[data]')") from None
-            return zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw)).read()
-    except (OSError, EOFError, zlib.error) as e:
-        raise DataError(f"{path}: cannot decompress ({e})") from e
-    except Exception as e:  # zstandard.ZstdError
-        if type(e).__module__.startswith("zstandard"):
-            raise DataError(f"{path}: cannot decompress ({e})") from e
-        raise
-    return raw
-
-
-def _parquet_docs(path: str, text_field: str):
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError(f"{path}: reading Parquet needs pyarrow (pip install -e '.[data]')") from None
-    try:
-        f = pq.ParquetFile(path)
-    except Exception as e:
-        raise DataError(f"{path}: not a readable Parquet file ({e})") from e
-    if text_field not in f.schema_arrow.names:
-        raise DataError(f"{path}: no column {text_field!r} (columns: {f.schema_arrow.names}); set --data.text_field")
-    for batch in f.iter_batches(columns=[text_field], batch_size=1024):
-        for v in batch.column(0).to_pylist():
-            if not isinstance(v, str):
-                raise DataError(f"{path}: column {text_field!r} holds {type(v).__name__}, not text")
-            yield v
-
-
-def file_docs(path: str, text_field: str, lenient: bool = False):
-    """The documents of one file: the whole text, one per JSONL line, or one per Parquet row."""
-    if path.endswith(".parquet"):
-        yield from _parquet_docs(path, text_field)
-        return
-    raw = _open_text(path)
-    try:
-        text = raw.decode("utf-8", errors="replace" if lenient else "strict")
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path} is not valid UTF-8 ({e})") from e
-    if ".jsonl" not in os.path.basename(path):
-        yield text
-        return
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{n}: invalid JSON ({e})") from e
-        if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
-            raise DataError(f"{path}:{n}: no string field {text_field!r} in this JSONL line")
-        yield obj[text_field]
-
-
-def read_documents(cfg: DataConfig, source: str | None = None) -> list[str]:
-    """Non-empty documents of a text source (default cfg.source), in sorted file order, capped at cfg.max_bytes."""
-    source = cfg.source if source is None else source
-    files = source_files(source)
-    if any(f.endswith(".npy") for f in files):
-        raise DataError(f"a .npy source must be a single file on its own, got {len(files)} files")
-    docs, used = [], 0
-    for f in files:
-        for d in file_docs(f, cfg.text_field, lenient=source == "stdlib"):
-            if cfg.max_bytes:
-                b = d.encode()
-                if used + len(b) > cfg.max_bytes:
-                    d = b[: cfg.max_bytes - used].decode("utf-8", errors="ignore")
-                used += len(d.encode())
-            if d:
-                docs.append(d)
-            if cfg.max_bytes and used >= cfg.max_bytes:
-                return docs
-    if not docs:
-        raise DataError(f"all {len(files)} file(s) of data source {source!r} are empty")
-    return docs
-
-
-def docs_digest(docs: list[str]) -> str:
-    h = hashlib.sha256(b"docs-v1")
-    for d in docs:
-        b = d.encode()
-        h.update(len(b).to_bytes(8, "little"))
-        h.update(b)
-    return h.hexdigest()
-
-
-# ---------------------------------------------------------------- tokenizer and cache
-
-def _cache_dir(cfg: DataConfig) -> str:
-    d = cfg.cache_dir or os.environ.get("STENCIL_CACHE") or os.path.expanduser("~/.cache/stencil")
-    d = os.path.join(os.path.expanduser(d), "data")
-    os.makedirs(d, exist_ok=True)
-    return d
-
-
-def _atomic(path: str, write) -> None:
-    """write(tmp) then rename onto path; tmp keeps path's extension (np.save would add one)."""
-    tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}{os.path.splitext(path)[1]}"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def train_tokenizer(docs: list[str], vocab_size: int):
-    """Byte-level BPE with one special token, trained on an evenly strided subset of docs."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    total = sum(len(d) for d in docs)
-    stride = max(1, -(-total // TRAIN_BYTES))
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(docs[::stride], trainer)
-    return tok
-
-
-def load_tokenizer(path: str):
-    """(tokenizer, its digest) from a tokenizer.json path or URL. The digest is the sha256 of the file
-    `Tokenizer.save` writes (for such a file, of its bytes), so a copy saved by a run matches the original."""
-    from tokenizers import Tokenizer
-    if tokenstore.is_url(path):
-        head, _, key = path.rpartition("/")
-        raw = tokenstore.Folder(head).read(key)
-    else:
-        raw = open(path, "rb").read() if os.path.isfile(path) else None
-    if raw is None:
-        raise DataError(f"tokenizer file {path!r} does not exist")
-    try:
-        tok = Tokenizer.from_str(raw.decode())
-    except Exception as e:
-        raise DataError(f"cannot load tokenizer {path!r}: {e}") from e
-    return tok, hashlib.sha256(tok.to_str(pretty=True).encode()).hexdigest()
-
-
-def _get_tokenizer(cfg: DataConfig, docs: list[str], digest: str, vocab_size: int, progress: bool):
-    """(tokenizer, sha256 of its json file): loaded from cfg.tokenizer, the cache, or trained."""
-    path = cfg.tokenizer
-    if not path:
-        key = hashlib.sha256(f"bpe-v1-{vocab_size}-{digest}".encode()).hexdigest()
-        path = os.path.join(_cache_dir(cfg), f"tok-{key[:32]}.json")
-        if not os.path.exists(path):
-            if vocab_size < 257:
-                raise DataError(f"vocab_size {vocab_size} is too small for a byte-level BPE (need >= 257)")
-            if progress:
-                print(f"training a {vocab_size}-token BPE tokenizer (cached in {path})", file=sys.stderr)
-            tok = train_tokenizer(docs, vocab_size)
-            _atomic(path, lambda tmp: tok.save(tmp))
-    return load_tokenizer(path)
-
-
-def eos_id_of(tok) -> int:
-    for name in EOS_CANDIDATES:
-        i = tok.token_to_id(name)
-        if i is not None:
-            return i
-    raise DataError(f"tokenizer has none of the end-of-document tokens {EOS_CANDIDATES}")
-
-
-
-def encode_documents(tok, docs: list[str], eos_id: int, vocab_size: int, progress: bool = True):
-    """(flat tokens, document end offsets); each document gets eos appended."""
-    dtype = tokenstore.token_dtype(vocab_size)
-    parts = []
-    for i in tqdm(range(0, len(docs), 64), desc="tokenizing", unit="64 docs", disable=not progress):
-        for enc in tok.encode_batch_fast(docs[i:i + 64], add_special_tokens=False):  # no offsets: 2x faster
-            parts.append(np.asarray(enc.ids + [eos_id], dtype=dtype))
-    return np.concatenate(parts), np.cumsum([len(p) for p in parts], dtype=np.int64)
-
-
-def _build_store(path: str, write) -> TokenStore:
-    """Build a cache store with write(folder) into a temporary folder, then rename it into place."""
-    if not os.path.exists(os.path.join(path, "manifest.json")):
-        tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        try:
-            write(tokenstore.Folder(tmp))
-            try:
-                os.rename(tmp, path)
-            except OSError:  # built meanwhile by another process
-                pass
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return TokenStore(path)
-
-
 # ---------------------------------------------------------------- splits
 
 def holdout(n_docs: int, val_fraction: float, what: str) -> np.ndarray:
@@ -538,135 +291,66 @@ def whole(store: TokenStore, name: str) -> Stream:
 
 # ---------------------------------------------------------------- opening sources
 
-def _is_store(spec: str) -> bool:
-    return tokenstore.is_url(spec) or os.path.isfile(os.path.join(os.path.expanduser(spec), "manifest.json"))
-
-
-def _text_store(cfg: DataConfig, spec: str, tok, tok_digest: str, vocab_size: int, progress: bool,
-                docs: list[str] | None = None, digest: str = "") -> tuple[TokenStore, str]:
-    """A text source tokenized once into a store in the cache: (store, digest of its documents)."""
-    if docs is None:
-        docs = read_documents(cfg, spec)
-        digest = docs_digest(docs)
-    key = hashlib.sha256(f"store-v{FORMAT_VERSION}-{vocab_size}-{digest}-{tok_digest}".encode()).hexdigest()
-
-    def write(folder):
-        eos = eos_id_of(tok)
-        tokens, ends = encode_documents(tok, docs, eos, vocab_size, progress)
-        nbytes = np.array([len(d.encode()) for d in docs], np.int64)
-        m = tokenstore.write_shard(folder, 0, tokens, tokenstore.build_docs(np.diff(ends, prepend=0), nbytes), spec)
-        folder.write("tokenizer.json", tok.to_str().encode())
-        tokenstore.write_manifest(folder, [m], tokenizer_sha256=tok_digest, vocab_size=vocab_size, eos_id=eos)
-    return _build_store(os.path.join(_cache_dir(cfg), f"store-{key[:32]}"), write), digest
-
-
-def _npy_store(cfg: DataConfig, spec: str, tok, tok_digest: str, vocab_size: int) -> tuple[TokenStore, str]:
-    """A .npy of token ids as a store in the cache (documents end at eos; a missing last eos is added)."""
-    path = os.path.expanduser(spec)
-    if not os.path.isfile(path):
-        raise DataError(f"pre-tokenized file {path!r} does not exist")
-    try:
-        arr = np.load(path, mmap_mode="r")
-    except Exception as e:
-        raise DataError(f"{path}: not a readable .npy file ({e})") from e
-    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer) or arr.size == 0:
-        raise DataError(f"{path}: expected a non-empty 1-D integer array, got {arr.dtype} {arr.shape}")
-    lo, hi = int(arr.min()), int(arr.max())
-    if lo < 0 or hi >= vocab_size:
-        raise DataError(f"{path}: token ids span [{lo}, {hi}] but vocab_size is {vocab_size} (ids out of range)")
-    eos = eos_id_of(tok) if tok is not None else 0
-    arr = np.asarray(arr).astype(tokenstore.token_dtype(vocab_size))
-    if arr[-1] != eos:
-        arr = np.append(arr, np.asarray(eos, arr.dtype))
-    digest = hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest()
-    key = hashlib.sha256(f"npy-v{FORMAT_VERSION}-{vocab_size}-{digest}-{tok_digest}".encode()).hexdigest()
-
-    def write(folder):
-        ends = np.flatnonzero(arr == eos) + 1
-        m = tokenstore.write_shard(folder, 0, arr, tokenstore.build_docs(np.diff(ends, prepend=0), None), path)
-        if tok is not None:
-            folder.write("tokenizer.json", tok.to_str().encode())
-        tokenstore.write_manifest(folder, [m], tokenizer_sha256=tok_digest, vocab_size=vocab_size, eos_id=eos,
-                                  has_text=False)
-    return _build_store(os.path.join(_cache_dir(cfg), f"store-{key[:32]}"), write), digest
-
-
-def _open_store(spec: str, vocab_size: int, tok_digest: str | None, what: str) -> TokenStore:
-    store = TokenStore(spec)
-    where = store.folder.name("manifest.json")
-    if store.vocab_size > vocab_size:
-        raise DataError(f"{where}: the store's vocabulary has {store.vocab_size} tokens but the model's "
-                        f"vocab_size is {vocab_size}")
-    if tok_digest is not None and store.tokenizer_sha256 != tok_digest:
-        raise DataError(f"{where}: tokenizer hash {store.tokenizer_sha256[:12] or '(none)'} does not match {what} "
-                        f"({tok_digest[:12] or '(none)'}): its token ids mean other text")
-    store.check_ids(vocab_size)
-    return store
-
-
-def _store_tokenizer(store: TokenStore):
-    return load_tokenizer(store.folder.name("tokenizer.json")) if store.folder.exists("tokenizer.json") else (None, "")
-
 
 def load_corpus(cfg: DataConfig, vocab_size: int, *, progress: bool = True) -> Corpus:
     """Open (or tokenize once into the cache) every source of cfg, split each, and open the eval sets."""
     if vocab_size <= 0 or vocab_size > 2**32:
         raise DataError(f"vocab_size must be in [1, 2**32], got {vocab_size}")
     entries = parse_sources(cfg.source, cfg.weights)
-    kinds = ["store" if _is_store(s) else "npy" if s.endswith(".npy") else "text" for _, s, _ in entries]
+    kinds = ["store" if sources.is_store(s) else "npy" if s.endswith(".npy") else "text" for _, s, _ in entries]
 
     # The tokenizer: the given one, else the first store's, else a BPE trained on the first text source.
     tok, tok_digest, first_docs, first_digest = None, None, None, ""
     if cfg.tokenizer:
-        tok, tok_digest = load_tokenizer(cfg.tokenizer)
+        tok, tok_digest = sources.load_tokenizer(cfg.tokenizer)
     elif "store" in kinds:
-        first = _open_store(entries[kinds.index("store")][1], vocab_size, None, "")
-        tok, tok_digest = _store_tokenizer(first)
+        first = sources.open_store(entries[kinds.index("store")][1], vocab_size, None, "")
+        tok, tok_digest = sources.store_tokenizer(first)
         tok_digest = first.tokenizer_sha256 if tok is None else tok_digest
     elif "text" in kinds:
-        first_docs = read_documents(cfg, entries[kinds.index("text")][1])
-        first_digest = docs_digest(first_docs)
-        tok, tok_digest = _get_tokenizer(cfg, first_docs, first_digest, vocab_size, progress)
+        first_docs = sources.read_documents(cfg, entries[kinds.index("text")][1])
+        first_digest = sources.docs_digest(first_docs)
+        tok, tok_digest = sources.get_tokenizer(cfg, first_docs, first_digest, vocab_size, progress)
     if tok is not None and tok.get_vocab_size() > vocab_size:
         raise DataError(f"tokenizer has {tok.get_vocab_size()} tokens but vocab_size is {vocab_size}")
     what = f"the tokenizer {cfg.tokenizer}" if cfg.tokenizer else "the corpus tokenizer"
 
-    sources = []
+    opened = []
     for (name, spec, w), kind in zip(entries, kinds):
         if kind == "store":
-            store = _open_store(spec, vocab_size, tok_digest, what)
+            store = sources.open_store(spec, vocab_size, tok_digest, what)
             digest = store.digest
         elif kind == "npy":
-            store, digest = _npy_store(cfg, spec, tok, tok_digest or "", vocab_size)
+            store, digest = sources.npy_store(cfg, spec, tok, tok_digest or "", vocab_size)
         else:
             if tok is None:
                 raise DataError(f"data.source: text source {spec!r} needs a tokenizer (set data.tokenizer)")
             reuse = first_docs is not None and spec == entries[kinds.index("text")][1]
-            store, digest = _text_store(cfg, spec, tok, tok_digest, vocab_size, progress,
-                                        first_docs if reuse else None, first_digest)
+            store, digest = sources.text_store(cfg, spec, tok, tok_digest, vocab_size, progress,
+                                               first_docs if reuse else None, first_digest)
         train, val = store_splits(store, cfg.val_fraction, name)
-        sources.append(Source(name, w, train, val, digest))
+        opened.append(Source(name, w, train, val, digest))
 
     evals = {}
     for name, spec in parse_eval(cfg.eval):
-        if _is_store(spec):
-            store = _open_store(spec, vocab_size, tok_digest, what)
+        if sources.is_store(spec):
+            store = sources.open_store(spec, vocab_size, tok_digest, what)
         elif spec.endswith(".npy"):
-            store, _ = _npy_store(cfg, spec, tok, tok_digest or "", vocab_size)
+            store, _ = sources.npy_store(cfg, spec, tok, tok_digest or "", vocab_size)
         else:
             if tok is None:
                 raise DataError(f"data.eval: text set {name}={spec} needs a tokenizer (set data.tokenizer)")
-            store, _ = _text_store(dataclasses.replace(cfg, max_bytes=0), spec, tok, tok_digest, vocab_size, progress)
+            store, _ = sources.text_store(dataclasses.replace(cfg, max_bytes=0), spec, tok, tok_digest, vocab_size, progress)
         evals[name] = whole(store, f"eval set {name} ({store.root})")
 
-    eos = eos_id_of(tok) if tok is not None else sources[0].train.store.eos_id
-    if len(sources) == 1:
-        digest = sources[0].digest
+    eos = sources.eos_id_of(tok) if tok is not None else opened[0].train.store.eos_id
+    if len(opened) == 1:
+        digest = opened[0].digest
     else:
-        digest = hashlib.sha256(json.dumps([[s.name, s.digest, s.weight] for s in sources]).encode()).hexdigest()
-    one = len(sources) == 1
-    return Corpus(tok, vocab_size, eos, sources[0].train if one else None, sources[0].val if one else None,
-                  digest, tok_digest or "", sources, evals)
+        digest = hashlib.sha256(json.dumps([[s.name, s.digest, s.weight] for s in opened]).encode()).hexdigest()
+    one = len(opened) == 1
+    return Corpus(tok, vocab_size, eos, opened[0].train if one else None, opened[0].val if one else None,
+                  digest, tok_digest or "", opened, evals)
 
 
 # ---------------------------------------------------------------- packing and order

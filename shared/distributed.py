@@ -50,11 +50,13 @@ import sys
 import time
 import traceback
 
+from shared.errors import StencilError
+
 log = logging.getLogger("stencil")
 _START = time.time()  # replaced by process 0's clock once the processes have joined
 
 
-class DistributedError(RuntimeError):
+class DistributedError(StencilError, RuntimeError):
     pass
 
 

@@ -40,12 +40,15 @@ import time
 import jax
 import numpy as np
 
+from shared import objstore
+from shared.errors import StencilError
+
 EXIT_PREEMPTED = 75
 EXIT_HUNG = 70
 
 
-class RunLockError(RuntimeError):
-    pass
+class RunLockError(StencilError, RuntimeError):
+    """The run directory (or checkpoint directory) is held by another run."""
 
 
 _HELD: list = []  # this process's locks: released before an os._exit too (a second signal, the watchdog)
@@ -139,14 +142,11 @@ class StoreLock:
     locations), created and taken over by conditional writes. Held until `release()`."""
 
     def __init__(self, location: str):
-        from shared import checkpoint
-
-        self.location, self.store = location, checkpoint._store(location)
-        self.url = checkpoint.join(location, "LOCK")
+        self.location, self.url = location, objstore.join(location, "LOCK")
         me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
         for _ in range(3):
             try:
-                r = self.store.read("LOCK").result()
+                r = objstore.read_key(location, "LOCK")
                 holder = None
                 if r.state == "value":
                     try:
@@ -161,7 +161,7 @@ class StoreLock:
                             f"{holder.get('since')}); one run per checkpoint directory. If that run is gone, "
                             f"delete {self.url}")
                 # absent, or stale: write ours only if it is still what was read (a conditional write)
-                got = self.store.write("LOCK", json.dumps(me), if_equal=r.stamp.generation).result()
+                got = objstore.write_key(location, "LOCK", json.dumps(me), if_generation=r.stamp.generation)
             except ValueError as e:
                 raise RunLockError(f"cannot take the lock {self.url}: {e}") from e
             if got.generation:  # an empty generation: the condition failed, another run wrote first
@@ -175,7 +175,7 @@ class StoreLock:
         if self in _HELD:
             _HELD.remove(self)
             try:
-                self.store.write("LOCK", None, if_equal=self.generation).result()  # only if still ours
+                objstore.write_key(self.location, "LOCK", None, if_generation=self.generation)  # only if still ours
             except ValueError as e:
                 print(f"warning: could not release {self.url}: {e}", file=sys.stderr, flush=True)
 

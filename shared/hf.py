@@ -34,10 +34,11 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from shared import checkpoint, data
+from shared import checkpoint, sources
+from shared.errors import StencilError
 
 
-class HFError(ValueError):
+class HFError(StencilError, ValueError):
     """A Hugging Face directory or option that cannot be converted; the message names the field or file."""
 
 
@@ -234,11 +235,11 @@ def tokenizer_eos(tokenizer_path: str) -> tuple[str, int]:
         tok = Tokenizer.from_file(tokenizer_path)
     except Exception as e:
         raise HFError(f"tokenizer {tokenizer_path}: cannot be loaded ({type(e).__name__}: {e})") from e
-    for name in data.EOS_CANDIDATES:
+    for name in sources.EOS_CANDIDATES:
         i = tok.token_to_id(name)
         if i is not None:
             return name, i
-    raise HFError(f"tokenizer {tokenizer_path}: has none of the end-of-document tokens {data.EOS_CANDIDATES}")
+    raise HFError(f"tokenizer {tokenizer_path}: has none of the end-of-document tokens {sources.EOS_CANDIDATES}")
 
 
 def hf_tokenizer(directory: str) -> str:

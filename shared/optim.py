@@ -68,6 +68,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 from jax.sharding import reshard
 
+from shared.config import ConfigError, check
 from shared.weights import ROLES, Weight, is_weight
 
 OPTIMIZERS = ("adamw", "muon", "muonh", "adamh")
@@ -80,13 +81,12 @@ NS_COEFFS = (3.4445, -4.7750, 2.0315)  # Jordan et al.'s quintic: fast growth of
 NS_BAND, NS_FLOOR = (0.6, 1.25), 1e-2
 
 
-class OptimError(ValueError):
+class OptimError(ConfigError):
     """A bad optimizer setting; the message names the field."""
 
 
 def _check(ok: bool, field: str, why: str) -> None:
-    if not ok:
-        raise OptimError(f"{field}: {why}")
+    check(ok, field, why, OptimError)
 
 
 def parse_lr_mult(text: str) -> dict:

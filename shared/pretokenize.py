@@ -31,7 +31,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from shared import data, tokenstore
+from shared import objstore, sources, tokenstore
 from shared.tokenstore import DataError
 
 _worker: dict = {}
@@ -58,7 +58,7 @@ def encode_file(tok, eos: int, vocab_size: int, path: str, text_field: str):
             lengths.append(len(enc.ids) + 1)
         batch.clear()
 
-    for doc in data.file_docs(path, text_field):
+    for doc in sources.file_docs(path, text_field):
         if doc:
             batch.append(doc)
             nbytes.append(len(doc.encode()))
@@ -70,9 +70,9 @@ def encode_file(tok, eos: int, vocab_size: int, path: str, text_field: str):
 
 
 def _init_worker(out: str, text_field: str) -> None:
-    folder = tokenstore.Folder(out)
-    tok, _ = data.load_tokenizer(folder.name("tokenizer.json"))
-    _worker.update(folder=folder, tok=tok, eos=data.eos_id_of(tok), vocab=tok.get_vocab_size(), field=text_field)
+    folder = objstore.Folder(out, DataError)
+    tok, _ = sources.load_tokenizer(folder.name("tokenizer.json"))
+    _worker.update(folder=folder, tok=tok, eos=sources.eos_id_of(tok), vocab=tok.get_vocab_size(), field=text_field)
 
 
 def _do_unit(unit: tuple[int, str]) -> tuple[int, dict, int]:
@@ -83,31 +83,31 @@ def _do_unit(unit: tuple[int, str]) -> tuple[int, dict, int]:
 
 
 def _train(files: list[str], vocab_size: int, text_field: str):
-    """A byte-level BPE trained on documents of evenly strided input files (about data.TRAIN_BYTES of text)."""
+    """A byte-level BPE trained on documents of evenly strided input files (about sources.TRAIN_BYTES of text)."""
     sizes = [os.path.getsize(f) for f in files]
-    stride = max(1, int(sum(sizes) // (4 * data.TRAIN_BYTES)))
+    stride = max(1, int(sum(sizes) // (4 * sources.TRAIN_BYTES)))
     docs, used = [], 0
     for f in files[::stride]:
-        for d in data.file_docs(f, text_field):
+        for d in sources.file_docs(f, text_field):
             docs.append(d)
             used += len(d)
-        if used >= 4 * data.TRAIN_BYTES:
+        if used >= 4 * sources.TRAIN_BYTES:
             break
     if not docs:
         raise DataError("no documents in the inputs to train a tokenizer on")
-    return data.train_tokenizer(docs, vocab_size)
+    return sources.train_tokenizer(docs, vocab_size)
 
 
-def run(sources: list[str], out: str, *, tokenizer: str = "", vocab_size: int = 0, text_field: str = "text",
+def run(inputs: list[str], out: str, *, tokenizer: str = "", vocab_size: int = 0, text_field: str = "text",
         workers: int = 1, shard: str = "0/1", progress: bool = True) -> dict | None:
     """Tokenize this host's part of the inputs into `out`; returns the manifest once the store is complete."""
     index, count = parse_shard(shard)
     if workers < 1:
         raise DataError(f"--workers must be >= 1, got {workers}")
-    files = data.source_files(",".join(sources))
+    files = sources.source_files(",".join(inputs))
     if any(f.endswith(".npy") for f in files):
         raise DataError("a .npy file is already token ids: pass it to train.py --data.source directly")
-    folder = tokenstore.Folder(out)
+    folder = objstore.Folder(out, DataError)
     if folder.exists("manifest.json"):
         manifest = json.loads(folder.read("manifest.json"))
         if [s["input"] for s in manifest["shards"]] == files:
@@ -125,7 +125,7 @@ def run(sources: list[str], out: str, *, tokenizer: str = "", vocab_size: int = 
             raise DataError(f"{folder.name('tokenizer.json')}: differs from --tokenizer {tokenizer}; this store was "
                             "started with another tokenizer (choose another --out)")
         if have is None:
-            data.load_tokenizer(tokenizer)  # a clear error for a bad file, before anything is written
+            sources.load_tokenizer(tokenizer)  # a clear error for a bad file, before anything is written
             folder.write("tokenizer.json", raw)
     elif not folder.exists("tokenizer.json"):
         if not vocab_size:
@@ -136,8 +136,8 @@ def run(sources: list[str], out: str, *, tokenizer: str = "", vocab_size: int = 
         if progress:
             print(f"training a {vocab_size}-token BPE tokenizer on the inputs", file=sys.stderr)
         folder.write("tokenizer.json", _train(files, vocab_size, text_field).to_str().encode())
-    tok, tok_sha = data.load_tokenizer(folder.name("tokenizer.json"))
-    eos = data.eos_id_of(tok)
+    tok, tok_sha = sources.load_tokenizer(folder.name("tokenizer.json"))
+    eos = sources.eos_id_of(tok)
 
     plan = {"inputs": [[f, os.path.getsize(f)] for f in files], "text_field": text_field, "tokenizer_sha256": tok_sha}
     was = folder.read("plan.json")

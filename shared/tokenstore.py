@@ -30,22 +30,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import uuid
 
 import numpy as np
 
+from shared import objstore
+from shared.errors import StencilError
+
 FORMAT = "stencil-token-store"
 VERSION = 1
-URL_SCHEMES = ("file://", "gs://", "s3://", "http://", "https://", "memory://")
 
 
-class DataError(ValueError):
+class DataError(StencilError, ValueError):
     """Bad data input: the message names the file and the cause."""
-
-
-def is_url(path: str) -> bool:
-    return path.startswith(URL_SCHEMES)
 
 
 def token_dtype(vocab_size: int):
@@ -60,109 +56,13 @@ def sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
-# ---------------------------------------------------------------- bytes in and out (local or kvstore)
-
-class Folder:
-    """Keys under a local directory or a tensorstore kvstore URL. Local writes are atomic (tmp + rename)."""
-
-    def __init__(self, root: str):
-        self.root = root.rstrip("/") + "/" if is_url(root) else os.path.expanduser(root)
-        self.url = is_url(root)
-        self._kv = None
-
-    def kv(self):
-        if self._kv is None:
-            import tensorstore as ts
-
-            from shared import checkpoint  # its kvstore spec of gs:// and s3:// (imported here: it loads jax)
-            try:
-                # gs:// and s3:// as checkpoints open them (an S3-compatible endpoint from AWS_ENDPOINT_URL_S3)
-                spec = checkpoint.kvstore_spec(self.root) if self.root.startswith(("gs://", "s3://")) else self.root
-                self._kv = ts.KvStore.open(spec).result()
-            except Exception as e:  # an unknown scheme, missing credentials: name the store
-                raise DataError(f"{self.root}: cannot open this URL with tensorstore ({e})") from e
-        return self._kv
-
-    def name(self, key: str) -> str:
-        return self.root + key if self.url else os.path.join(self.root, key)
-
-    def exists(self, key: str) -> bool:
-        if self.url:
-            return self.result(key, self.read_async(key, 0, 0)) is not None
-        return os.path.isfile(self.name(key))
-
-    def read(self, key: str, start: int | None = None, stop: int | None = None) -> bytes | None:
-        """The bytes of key (or of [start, stop)); None if the key is missing."""
-        if self.url:
-            return self.result(key, self.read_async(key, start, stop))
-        path = self.name(key)
-        if not os.path.isfile(path):
-            return None
-        with open(path, "rb") as f:
-            if start is None:
-                return f.read()
-            return os.pread(f.fileno(), stop - start, start)
-
-    def read_async(self, key: str, start: int | None = None, stop: int | None = None):
-        """A URL's read as a future (many in flight at once); `result` waits for it."""
-        return self.kv().read(key, byte_range=None if start is None else slice(start, stop))
-
-    def result(self, key: str, future) -> bytes | None:
-        try:
-            r = future.result()
-        except ValueError as e:
-            if "OUT_OF_RANGE" in str(e):  # a range past the end of the value: what is there of it is nothing
-                return b""
-            raise DataError(f"{self.name(key)}: cannot read ({e})") from e
-        return r.value if r.state == "value" else None
-
-    def size(self, key: str) -> int | None:
-        if self.url:
-            raw = self.read(key)
-            return None if raw is None else len(raw)
-        path = self.name(key)
-        return os.path.getsize(path) if os.path.isfile(path) else None
-
-    def write(self, key: str, data: bytes) -> None:
-        if self.url:
-            self.kv().write(key, data).result()
-            return
-        path = self.name(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-
-    def list(self, prefix: str) -> list[str]:
-        if self.url:
-            import tensorstore as ts
-            keys = self.kv().list(ts.KvStore.KeyRange(prefix, prefix + "\xff")).result()
-            return sorted(k.decode() if isinstance(k, bytes) else k for k in keys)
-        d = os.path.dirname(self.name(prefix))
-        if not os.path.isdir(d):
-            return []
-        return sorted(os.path.join(os.path.dirname(prefix), f) for f in os.listdir(d))
-
-    def remove_stale(self, prefix: str) -> None:
-        """Leftovers of killed local writes (*.tmp-*) under prefix."""
-        if not self.url:
-            for k in self.list(prefix):
-                if ".tmp-" in k:
-                    os.remove(self.name(k))
-
-
 # ---------------------------------------------------------------- writing
 
 def shard_key(index: int, ext: str) -> str:
     return f"shards/{index:05d}.{ext}"
 
 
-def write_shard(folder: Folder, index: int, tokens: np.ndarray, docs: np.ndarray, input_name: str) -> dict:
+def write_shard(folder: objstore.Folder, index: int, tokens: np.ndarray, docs: np.ndarray, input_name: str) -> dict:
     """Write one shard (tokens, docs [n, 2] = (end, bytes)) and then its marker; returns the marker."""
     tokens = np.ascontiguousarray(tokens)
     docs = np.ascontiguousarray(docs, dtype="<i8")
@@ -177,7 +77,7 @@ def write_shard(folder: Folder, index: int, tokens: np.ndarray, docs: np.ndarray
     return marker
 
 
-def read_marker(folder: Folder, index: int) -> dict | None:
+def read_marker(folder: objstore.Folder, index: int) -> dict | None:
     raw = folder.read(shard_key(index, "json"))
     if raw is None:
         return None
@@ -187,7 +87,7 @@ def read_marker(folder: Folder, index: int) -> dict | None:
         return None  # a marker cut short: redo the shard
 
 
-def write_manifest(folder: Folder, markers: list[dict], *, tokenizer_sha256: str, vocab_size: int, eos_id: int,
+def write_manifest(folder: objstore.Folder, markers: list[dict], *, tokenizer_sha256: str, vocab_size: int, eos_id: int,
                    has_text: bool = True) -> dict:
     manifest = {
         "format": FORMAT, "version": VERSION, "tokenizer_sha256": tokenizer_sha256, "vocab_size": int(vocab_size),
@@ -213,7 +113,7 @@ class TokenStore:
     """An opened token store: global token positions [0, n_tokens) over its shards in order."""
 
     def __init__(self, root: str):
-        self.folder = Folder(root)
+        self.folder = objstore.Folder(root, DataError)
         self.root = self.folder.root
         raw = self.folder.read("manifest.json")
         if raw is None:

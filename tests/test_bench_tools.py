@@ -120,3 +120,21 @@ def test_gpu_benchmark_budget_leaves_jobs_unrun(tmp_path):
             "--out", str(tmp_path), timeout=120)
     rows = [json.loads(x) for x in open(tmp_path / "results.jsonl")]
     assert rows and all(r["status"] == "not run: budget" for r in rows), p.stdout + p.stderr
+
+
+BENCH_GENERATE = os.path.join(ROOT, "tools", "bench_generate.py")
+
+
+@pytest.mark.integration  # a subprocess: the tool as a user runs it (two folders, tiny lengths)
+def test_bench_generate_times_both_paths_and_sizes_the_cache():
+    """Both greedy paths are timed (after agreeing); the cache table grows linearly for the template and
+    stops growing at swa_hybrid's 64-token window in its local layers."""
+    p = run(BENCH_GENERATE, "--variants", "base,swa_hybrid", "--new", "8", "--rounds", "1", "--full-steps", "2",
+            "--lengths", "32,64,128")
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = {tuple(line.split()[:3]): line.split() for line in p.stdout.splitlines() if line.startswith(("templates", "variants"))}
+    base, swa = rows[("templates/base", "CPU", "default")], rows[("variants/swa_hybrid", "CPU", "default")]
+    assert base[3:9] == ["128.0", "KiB", "256.0", "KiB", "512.0", "KiB"] and base[-2:] == ["8", "B"], base
+    assert swa[-2:] == ["96.0", "KiB"], swa  # 3 local layers x (k, v) x 64 slots x 2 heads x 32 x 4 bytes, + 8 B
+    speed = [line for line in p.stdout.splitlines() if line.split()[1:2] == ["8"]]
+    assert len(speed) == 2 and all(line.endswith("x") for line in speed), p.stdout

@@ -3,7 +3,9 @@ train.py is found here and must expose the same names and pass the same checks.
 
 model.py: frozen, self-validating `ModelConfig`; `init(cfg, key)`; `param_specs(cfg)`
 matching `init`'s pytree; `forward(params, tokens, cfg, *, segment_ids=None) -> logits`;
-`loss_fn(params, batch, cfg) -> (loss, metrics)`; `COPIED_FROM` naming its parent.
+`loss_fn(params, batch, cfg) -> (loss, metrics)`; `COPIED_FROM` naming its parent; decoding
+with a cache: `cache_specs(cfg)`, `init_cache(cfg, batch, max_len)`, `prefill(params, tokens,
+cache, cfg, *, lengths=None)` and `decode_step(params, token, cache, cfg)` (CACHE_API).
 train.py: `TrainConfig`, `make_mesh`, `make_optimizer`, `init_state`, `make_train_step`,
 `make_eval_step`, `batch_spec`, `CONTRACT_TINY`, `main` (EXPORTS lists every name used).
 
@@ -14,7 +16,8 @@ KDA chunks, experts over devices, an auxiliary loss switched on), all from one T
 folder (three compiled programs): two real train steps with grad_accum = 2; causality and
 document isolation of `forward`'s logits and of `loss_fn`'s loss (so any auxiliary term is
 covered); accumulation that does not depend on how the batch is split; shared weights that
-start as the parent's. Batches are placed with the variant's `batch_spec`. The tests at the
+start as the parent's; and (two more programs, prefill and one decoding step) that decoding
+with the cache gives `forward`'s logits and greedy tokens for prompts of mixed lengths. Batches are placed with the variant's `batch_spec`. The tests at the
 end break a copy of dense on purpose and check that each of these checks catches it.
 
 Abstract traces allocate nothing, so every preset of every variant is traced too, at its own
@@ -53,7 +56,7 @@ def modules(variant):
 # Every name main() and these tests use. A variant missing one fails test_exports, listing them all.
 EXPORTS = {
     "model": ("COPIED_FROM", "ConfigError", "ModelConfig", "check", "weights", "init", "param_specs", "forward",
-              "loss_fn", "num_params", "flops_per_token"),
+              "loss_fn", "num_params", "flops_per_token", "cache_specs", "init_cache", "prefill", "decode_step"),
     "train": ("TrainConfig", "CONTRACT_TINY", "make_mesh", "make_optimizer", "init_state", "make_train_step",
               "make_eval_step", "batch_spec", "to_device", "main"),
 }
@@ -416,14 +419,61 @@ class TinyRun:
         return jax.device_put(x, NamedSharding(self.mesh, self.train.batch_spec(lead)))
 
     @functools.cached_property
+    def program(self):
+        """The model program (_model_program), compiled for one batch of the inputs' shapes."""
+        with jax.set_mesh(self.mesh):
+            params = self.init(self.key)["params"]
+            first = {k: self.put(v, 0) for k, v in self.inputs["causal_a"].items()}
+            return jax.jit(_model_program(self.model, self.cfg)).lower(params, first).compile(COMPILE)
+
+    @functools.cached_property
     def out(self) -> dict:
         """input name -> (logits, loss, metrics) of the model program, as numpy."""
         with jax.set_mesh(self.mesh):
             params = self.init(self.key)["params"]
-            first = {k: self.put(v, 0) for k, v in self.inputs["causal_a"].items()}
-            program = jax.jit(_model_program(self.model, self.cfg)).lower(params, first).compile(COMPILE)
-            return {name: jax.tree.map(np.asarray, program(params, {k: self.put(v, 0) for k, v in batch.items()}))
+            return {name: jax.tree.map(np.asarray, self.program(params, {k: self.put(v, 0) for k, v in batch.items()}))
                     for name, batch in self.inputs.items()}
+
+    @functools.cached_property
+    def decoding(self) -> dict:
+        """Greedy decoding with the cache (DECODE_LENGTHS, DECODE_STEPS): prefill, then one compiled decoding
+        step at a time. Returns numpy: "logits" [DECODE_STEPS + 1, ROWS, V] (prefill's, then each step's),
+        "tokens" [ROWS, T] (each row's prompt, its greedy tokens, then filler), "forward" (the model
+        program's logits on those rows), "shardings" (where each cache leaf sits: after init, prefill, the
+        last step), "specs" (cache_specs)."""
+        model, cfg = self.model, self.cfg.model
+        lengths = np.asarray(DECODE_LENGTHS, np.int32)
+        longest = int(lengths.max())
+        rng = np.random.default_rng(1)
+        rows = rng.integers(0, cfg.vocab_size, (ROWS, T), dtype=np.int32)  # prompts, and filler after them
+        prompts = rng.integers(0, cfg.vocab_size, (ROWS, longest), dtype=np.int32)  # random left padding
+        for b, n in enumerate(lengths):
+            prompts[b, longest - n:] = rows[b, :n]
+        put = lambda x: self.put(x, 0) if x.ndim == 2 else self.put(x[:, None], 0)[:, 0]  # noqa: E731 rows as batches
+        where = lambda c: jax.tree.map(lambda a: tuple(a.sharding.spec), c)  # noqa: E731
+        with jax.set_mesh(self.mesh):
+            params = self.init(self.key)["params"]
+            cache = jax.jit(model.init_cache, static_argnums=(0, 1, 2))(cfg, ROWS, T)
+            shardings = [where(cache)]
+            prefill = jax.jit(lambda p, t, c, n: model.prefill(p, t, c, cfg, lengths=n))
+            logits, cache = prefill.lower(params, put(prompts), cache, put(lengths)).compile(COMPILE)(
+                params, put(prompts), cache, put(lengths))
+            shardings.append(where(cache))
+            step, out = None, [np.asarray(logits)]
+            for i in range(DECODE_STEPS):
+                token = out[-1].argmax(-1).astype(np.int32)
+                rows[np.arange(ROWS), lengths + i] = token
+                if step is None:
+                    step = jax.jit(lambda p, t, c: model.decode_step(p, t, c, cfg)).lower(
+                        params, put(token), cache).compile(COMPILE)
+                logits, cache = step(params, put(token), cache)
+                out.append(np.asarray(logits))
+            shardings.append(where(cache))
+            batch = {"tokens": rows, "targets": np.zeros_like(rows), "segment_ids": np.ones_like(rows),
+                     "loss_mask": np.ones(rows.shape, np.float32)}
+            forward = np.asarray(self.program(params, {k: self.put(v, 0) for k, v in batch.items()})[0])
+        return {"logits": np.stack(out), "tokens": rows, "forward": forward, "shardings": shardings,
+                "specs": model.cache_specs(cfg)}
 
     @functools.cached_property
     def metrics(self) -> dict:
@@ -555,6 +605,63 @@ def test_shared_weights_start_as_the_parents(variant):
     assert "['embed']" in shared, f"{variant}: shares no embedding with its parent at the tiny config"
     differ = [k for k in shared if not np.array_equal(a[k], b[k])]
     assert not differ, f"{variant}: weights shared with its parent start from other values: {differ}"
+
+
+# Decoding: one prompt a row, of these lengths (left-padded to the longest), then DECODE_STEPS greedy tokens;
+# they cross swa_hybrid's and moe_hero's 16-token window and kda's 8-token chunks (CONTRACT_TINY).
+DECODE_LENGTHS = (1, 5, 17, 20, 3, 20, 9, 12)
+DECODE_STEPS = 6
+CACHE_API = ("cache_specs", "init_cache", "prefill", "decode_step")
+
+
+def check_decoding(r: TinyRun):
+    """Decoding with the cache is `forward`: the logits prefill gives for each row's next token, and those of
+    every decoding step, equal forward's at that position on the whole sequence (prompt + the tokens decoded
+    so far) within fp32 tolerance, and each greedy token is forward's argmax there; prompts of mixed lengths
+    in one batch; every cache leaf stays where cache_specs puts it (rows over the batch's axes)."""
+    missing = [n for n in CACHE_API if not hasattr(r.model, n)]
+    assert not missing, (
+        f"{r.folder}: model.py cannot decode with a cache (it lacks {', '.join(missing)}). Add, as "
+        "templates/base/model.py does under 'decoding with a cache' and adapted to this model's layers: "
+        "cache_specs(cfg) (a PartitionSpec per cache leaf), init_cache(cfg, batch, max_len) (an empty cache), "
+        "prefill(params, tokens, cache, cfg, *, lengths=None) -> (logits [B, V], cache) for left-padded "
+        "prompts, and decode_step(params, token, cache, cfg) -> (logits [B, V], cache) for one token a row")
+    d = r.decoding
+    lengths = np.asarray(DECODE_LENGTHS)
+    for i, logits in enumerate(d["logits"]):
+        want = d["forward"][np.arange(ROWS), lengths - 1 + i]  # the position whose next token step i predicts
+        what = "prefill" if i == 0 else f"decoding step {i}"
+        np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4, err_msg=(
+            f"{r.folder}: the logits of {what} differ from forward's at the same position (prompt lengths "
+            f"{DECODE_LENGTHS})"))
+        if i < DECODE_STEPS:
+            token = d["tokens"][np.arange(ROWS), lengths + i]
+            top2 = np.sort(want, axis=-1)[:, -2:]
+            tie = top2[:, 1] - top2[:, 0] < 1e-4  # forward's own top two within tolerance: either may win
+            wrong = (token != want.argmax(-1)) & ~tie
+            assert not wrong.any(), f"{r.folder}: greedy token {i} of rows {np.flatnonzero(wrong)} is not forward's argmax"
+    norm = lambda spec, n: tuple(spec) + (None,) * (n - len(spec))  # noqa: E731
+    specs = jax.tree.leaves(d["specs"], is_leaf=lambda s: isinstance(s, P))
+    for when, where in zip(("init_cache", "prefill", "decode_step"), d["shardings"]):
+        got = jax.tree.leaves(where, is_leaf=lambda s: isinstance(s, tuple))
+        assert len(got) == len(specs), f"{r.folder}: cache_specs does not match the cache's pytree after {when}"
+        for g, spec in zip(got, specs):
+            assert norm(g, len(spec)) == tuple(spec), \
+                f"{r.folder}: after {when} a cache leaf sits at {g}, cache_specs says {spec}"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decoding_with_the_cache_is_forward(variant):
+    check_decoding(tiny_run(variant))
+
+
+def test_a_folder_without_a_cache_is_told_what_to_add():
+    import types
+
+    r = types.SimpleNamespace(folder="variants/nocache", model=types.ModuleType("model"))
+    with pytest.raises(AssertionError, match=r"lacks cache_specs, init_cache, prefill, decode_step\)\. Add, as "
+                                             r"templates/base/model\.py does"):
+        check_decoding(r)
 
 
 def _with_attention_backend(cfg, name):

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from shared import data
+from shared import data, sources
 from shared.data import DataConfig, DataError, Loader, Split, eval_batches, load_corpus, pack_rows
 
 VOCAB = 320
@@ -120,7 +120,7 @@ def test_val_docs_disjoint_from_train(corpus, tmp_path):
         return {corpus.decode(split.tokens[s:e]) for s, e in zip(np.r_[0, split.doc_ends[:-1]], split.doc_ends)}
     train, val = docs(corpus.train), docs(corpus.val)
     assert len(val) == 4 and len(train) == 36 and not train & val
-    assert all(d.endswith(data.EOS) for d in train | val)
+    assert all(d.endswith(sources.EOS) for d in train | val)
     # the split does not depend on the seed
     again = load_corpus(DataConfig(source=str(tmp_path / "docs"), cache_dir=str(tmp_path / "c"),
                                    val_fraction=0.1, seed=9), VOCAB, progress=False)
@@ -132,7 +132,7 @@ def test_encode_decode_roundtrip(corpus):
         ids = corpus.encode(s)
         assert all(0 <= i < VOCAB for i in ids)
         assert corpus.decode(ids) == s
-    assert corpus.decode([corpus.eos_id]) == data.EOS
+    assert corpus.decode([corpus.eos_id]) == sources.EOS
     assert corpus.train.tokens.dtype == np.uint16 and corpus.train.tokens.max() < VOCAB
 
 
@@ -142,8 +142,8 @@ def test_cache_hit_skips_training_and_encoding(tmp_path, monkeypatch):
     first = load_corpus(cfg, VOCAB, progress=False)
     def boom(*a, **k):
         raise AssertionError("cache miss")
-    monkeypatch.setattr(data, "train_tokenizer", boom)
-    monkeypatch.setattr(data, "encode_documents", boom)
+    monkeypatch.setattr(sources, "train_tokenizer", boom)
+    monkeypatch.setattr(sources, "encode_documents", boom)
     second = load_corpus(cfg, VOCAB, progress=False)
     np.testing.assert_array_equal(first.train.tokens, second.train.tokens)
     # a different vocab size or corpus is a different key
@@ -162,7 +162,7 @@ def test_tokenizer_path_and_jsonl(corpus, tmp_path):
     c = load_corpus(DataConfig(source=str(f), text_field="body", tokenizer=str(tok_path),
                                cache_dir=str(tmp_path / "c2")), VOCAB, progress=False)
     assert c.train.n_docs + c.val.n_docs == 10 and c.eos_id == corpus.eos_id
-    assert c.decode(c.val.tokens) == "line 5 word5" + data.EOS
+    assert c.decode(c.val.tokens) == "line 5 word5" + sources.EOS
     with pytest.raises(DataError, match="tokenizer has .* tokens but vocab_size is 100"):
         load_corpus(DataConfig(source=str(f), text_field="body", tokenizer=str(tok_path),
                                cache_dir=str(tmp_path / "c2")), 100, progress=False)
@@ -185,17 +185,17 @@ def test_pretokenized_npy(tmp_path):
 
 def test_max_bytes_caps_corpus(tmp_path):
     src = write_corpus(tmp_path)
-    docs = data.read_documents(DataConfig(source=str(src), max_bytes=500))
+    docs = sources.read_documents(DataConfig(source=str(src), max_bytes=500))
     assert sum(len(d.encode()) for d in docs) == 500
     assert docs[0].startswith("document 0:")
 
 
 def test_stdlib_corpus_found():
-    files = data.stdlib_files()
+    files = sources.stdlib_files()
     assert len(files) > 500 and files == sorted(files)
     assert any(f.endswith("/argparse.py") for f in files)
     assert not any("site-packages" in f or "dist-packages" in f for f in files)
-    docs = data.read_documents(DataConfig(max_bytes=20_000))
+    docs = sources.read_documents(DataConfig(max_bytes=20_000))
     assert docs and sum(len(d.encode()) for d in docs) == 20_000
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
-from shared import checkpoint, data
+from shared import checkpoint, data, generate, sources
 from shared import hf as hfio
 from shared.variant import load
 
@@ -73,7 +73,7 @@ def random_params(variant, cfg, seed=0):
 def tokenizer_file(tmp_path_factory):
     docs = ["def f(x):\n    return x + 1\n" * 40, "class A:\n    pass\n" * 40, "import os\nprint(os.getcwd())\n" * 40]
     path = str(tmp_path_factory.mktemp("tok") / "tokenizer.json")
-    data.train_tokenizer(docs, 512).save(path)
+    sources.train_tokenizer(docs, 512).save(path)
     return path
 
 
@@ -211,10 +211,12 @@ def test_greedy_generation_matches_transformers(variant, tmp_path, tokenizer_fil
             t = int(np.asarray(jax.device_get(next_token(params, jnp.asarray(buf), i)))[0])
             ours.append(t)
             buf[:, i] = t
+        cached = generate.generate(hf.model, params, cfg, [prompt], mesh=mesh(1, 1), max_new_tokens=n_new)[0].tokens
     m = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager", dtype=torch.float32)
     theirs = m.generate(torch.tensor([prompt]), max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
                         eos_token_id=None, pad_token_id=0)[0].tolist()
     assert theirs == ours
+    assert prompt + cached == theirs, "decoding with the cache (shared/generate.py) differs from transformers' generate"
 
 
 def test_export_and_import_command_lines(tmp_path, tokenizer_file):

@@ -22,6 +22,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from decode_check import decode_against_forward
 from shared import data, flops
 from shared.variant import ROOT, load
 
@@ -347,3 +348,23 @@ def test_flops_count_active_parameters():
     wide = dataclasses.replace(cfg, window=T)
     n_local = model.global_layers(cfg).count(False)
     assert model.flops_per_token(wide, T) - model.flops_per_token(cfg, T) == pytest.approx(n_local * (glob - local))
+
+
+def test_decoding_routes_as_forward_and_drops_nothing():
+    """Decoding (prefill, then greedy steps; experts over 2 devices, a 4-token window) routes each token
+    to forward's experts and runs them dropless whatever `dispatch` says (model.prefill). Under
+    dispatch="capacity" with a factor at which forward drops assignments (0.5), decoding equals forward
+    with dispatch="dropless", not forward as configured; at a factor that drops nothing (8) it equals it."""
+    cfg = small(dispatch="capacity", capacity_factor=0.5)  # a dense local layer, then a MoE global one
+    params, _ = params_and_batch(cfg)
+    params["moe_layers"]["router_bias"] = np.random.default_rng(1).normal(0, 0.05, (cfg.n_moe_layers, 8)).astype(
+        np.float32)
+    m = mesh((2, 2, 2))
+    with jax.set_mesh(m):
+        p = jax.tree.map(lambda w, s: jax.device_put(w, NamedSharding(m, s)), params, model.param_specs(cfg))
+    forwards = [dataclasses.replace(cfg, dispatch="dropless"), cfg, dataclasses.replace(cfg, capacity_factor=8.0)]
+    (err, same), (err_dropping, _), (err_roomy, same_roomy) = decode_against_forward(
+        model, cfg, m, p, [1, 9, 4, 6, 2, 9, 3, 5], steps=5, max_len=16, forward_cfgs=forwards)
+    assert err < 1e-4 and same, (err, same)
+    assert err_dropping > 1e-3, "forward at capacity_factor 0.5 dropped nothing: the test shows nothing"
+    assert err_roomy < 1e-4 and same_roomy, (err_roomy, same_roomy)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from shared import checkpoint, data, guard
+from shared.run import TrainingError
 from shared.variant import ROOT, load
 
 import test_train  # noqa: E402  (tests/ is on sys.path: conftest's folder)
@@ -165,15 +166,15 @@ def test_resume_refuses_what_would_change_the_data(small_corpus, tmp_path):
     run = tmp_path / "run"
     train.main(small(small_corpus, run, steps=6, stop_at=3))
     tokenizer = (run / "tokenizer.json").read_bytes()
-    with pytest.raises(train.TrainingError, match=r"at step 3, and this run ends at step 3.*nothing to train"):
+    with pytest.raises(TrainingError, match=r"at step 3, and this run ends at step 3.*nothing to train"):
         train.main(small(small_corpus, run, steps=6, stop_at=3, resume=True))
-    with pytest.raises(train.TrainingError, match=r"data stream differs.*'seq_len': \(32, 16\)"):
+    with pytest.raises(TrainingError, match=r"data stream differs.*'seq_len': \(32, 16\)"):
         train.main(small(small_corpus, run, steps=6, seq_len=16, resume=True))
     other = tmp_path / "other"
     other.mkdir()
     for name in sorted(os.listdir(os.path.dirname(small_corpus)))[:3]:
         (other / name).write_text(open(os.path.join(os.path.dirname(small_corpus), name)).read())
-    with pytest.raises(train.TrainingError, match=r"data stream differs.*'corpus'"):
+    with pytest.raises(TrainingError, match=r"data stream differs.*'corpus'"):
         train.main(small(small_corpus, run, steps=6, resume=True,
                          data=data.DataConfig(source=str(other / "*.txt"), val_fraction=0.1)))
     assert (run / "tokenizer.json").read_bytes() == tokenizer  # never overwritten

@@ -18,6 +18,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from decode_check import decode_against_forward
 from shared import flops, kernels
 from shared.variant import ROOT, load
 
@@ -133,7 +134,7 @@ def _block_fn(cfg, kind, backend, dt):
     params = model.init(cfg, jax.random.key(0))
     layer = jax.tree.map(lambda w: w[0], params["layers"])
     angles = lambda x: model.layer_angles(model.positions(x[..., 0], None), cfg)  # noqa: E731
-    return jax.jit(lambda x: model.block(x, layer, angles(x), None, kind == "global", cfg))
+    return jax.jit(lambda x: model.block(x, layer, angles(x), None, kind == "global", cfg)[0])
 
 
 @pytest.mark.parametrize("kind,backend,dt", layer_backends())
@@ -294,7 +295,7 @@ def test_scanned_layers_match_an_unrolled_loop(over):
         x = params["embed"].at[tokens].get(out_sharding=P("data", None, None))
         angles = model.layer_angles(model.positions(tokens, None), cfg)
         for i, g in enumerate(model.global_layers(cfg)):
-            x = model.block(x, jax.tree.map(lambda w: w[i], params["layers"]), angles, None, g, cfg)
+            x, _ = model.block(x, jax.tree.map(lambda w: w[i], params["layers"]), angles, None, g, cfg)
         return model.rms_norm(x, params["final_norm"], cfg.norm_eps)
 
     all_global = dataclasses.replace(cfg, global_every=1)
@@ -358,3 +359,14 @@ def test_causality_and_document_isolation_with_window_below_row():
         first[:, :cut], second[:, : T - cut] = a[:, :cut], a[:, cut:]
         np.testing.assert_allclose(out[:, :cut], run(first, seg(cut))[:, :cut], rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(out[:, cut:], run(second, seg(T - cut))[:, : T - cut], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("over", [dict(window=4), dict(window=64, global_rope="none", attn_softcap=5.0, head_gate=False)],
+                         ids=["ring-wraps", "ring-is-the-row-nope-softcap"])
+def test_decoding_matches_forward(over):
+    """prefill + greedy decoding equal forward: local layers' rings of 4 slots wrapping several times
+    (prompts of 1 to 11 tokens, 10 steps), and a window longer than the cache (the ring holds the whole
+    row) with NoPE global layers and soft-capping, on the 4 x 2 mesh."""
+    cfg = small(**over)
+    err, same = decode_against_forward(model, cfg, mesh42(), _init(cfg), [1, 11, 4, 7], steps=10, max_len=24)
+    assert err < 1e-4 and same, (err, same)

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from shared import data, pretokenize, tokenstore
+from shared import data, pretokenize, sources, tokenstore
 from shared.data import DataConfig, DataError, Loader, MixtureLoader, eval_set, load_corpus
 from shared.variant import ROOT
 
@@ -35,7 +35,7 @@ def make_docs(n, seed=0, words=60):
 def tok_file(tmp_path_factory):
     """A 320-token BPE (the one data.py trains), saved as tokenizer.json."""
     d = tmp_path_factory.mktemp("tok")
-    tok = data.train_tokenizer(make_docs(200), VOCAB)
+    tok = sources.train_tokenizer(make_docs(200), VOCAB)
     tok.save(str(d / "tokenizer.json"))
     return str(d / "tokenizer.json")
 
@@ -125,9 +125,9 @@ def test_input_formats_give_the_same_tokens(tmp_path, tok_file):
 
 def in_memory(cfg, tok_path):
     """Today's in-memory path: documents -> encode -> split_documents."""
-    tok, _ = data.load_tokenizer(tok_path)
-    docs = data.read_documents(cfg)
-    tokens, ends = data.encode_documents(tok, docs, data.eos_id_of(tok), VOCAB, progress=False)
+    tok, _ = sources.load_tokenizer(tok_path)
+    docs = sources.read_documents(cfg)
+    tokens, ends = sources.encode_documents(tok, docs, sources.eos_id_of(tok), VOCAB, progress=False)
     return data.split_documents(tokens, ends, cfg.val_fraction)
 
 
@@ -268,7 +268,7 @@ def test_bad_stores_and_mixtures_are_named(tmp_path, tok_file):
 
     # a tokenizer other than the store's
     other = tmp_path / "other.json"
-    data.train_tokenizer(make_docs(50, seed=9), VOCAB).save(str(other))
+    sources.train_tokenizer(make_docs(50, seed=9), VOCAB).save(str(other))
     with pytest.raises(DataError, match=r"store/manifest.json: tokenizer hash \w+ does not match the tokenizer"):
         load(str(good), tokenizer=str(other))
     # a vocabulary larger than the model's

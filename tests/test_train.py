@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from shared import checkpoint, data
+from shared import checkpoint, data, run
 from shared.variant import ROOT, load
 
 train = load(os.path.join(ROOT, "variants", "dense", "train.py"))
@@ -51,17 +51,17 @@ def test_resume_is_bit_exact(small_corpus, tmp_path):
 
 def test_fresh_run_refuses_to_overwrite_checkpoints(small_corpus, tmp_path):
     train.main(small(small_corpus, tmp_path, steps=2, save_every=0))
-    with pytest.raises(train.TrainingError, match="--resume"):
+    with pytest.raises(run.TrainingError, match="--resume"):
         train.main(small(small_corpus, tmp_path, steps=2, save_every=0))
-    with pytest.raises(train.TrainingError, match="model config differs"):
+    with pytest.raises(run.TrainingError, match="model config differs"):
         train.main(small(small_corpus, tmp_path, steps=4, save_every=0, resume=True,
                          model=model.ModelConfig(vocab_size=512, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2,
                                                  head_dim=16, d_ff=128)))
     # another optimizer, or the weight average turned on: a clear refusal, not a leaf mismatch
-    with pytest.raises(train.TrainingError, match=r"holds the state of --optimizer adamw, and this run asks for "
+    with pytest.raises(run.TrainingError, match=r"holds the state of --optimizer adamw, and this run asks for "
                                                   r"--optimizer muon.*resume with --optimizer adamw"):
         train.main(small(small_corpus, tmp_path, steps=4, save_every=0, resume=True, optimizer="muon"))
-    with pytest.raises(train.TrainingError, match=r"saved with --optim.ema 0.0 and this run asks for --optim.ema 0.9"):
+    with pytest.raises(run.TrainingError, match=r"saved with --optim.ema 0.0 and this run asks for --optim.ema 0.9"):
         train.main(small(small_corpus, tmp_path, steps=4, save_every=0, resume=True,
                          optim=dataclasses.replace(train.TrainConfig().optim, ema=0.9)))
 
@@ -178,7 +178,7 @@ def poison(monkeypatch, at: int, metrics: tuple = ()):
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(small_corpus, tmp_path, monkeypatch):
     poison(monkeypatch, 5, ("train/loss",))  # step 5 blows up: NaN loss and NaN parameters
-    with pytest.raises(train.TrainingError, match=r"loss nan, grad_norm .* at step 5.*step_00000003"):
+    with pytest.raises(run.TrainingError, match=r"loss nan, grad_norm .* at step 5.*step_00000003"):
         train.main(small(small_corpus, tmp_path, steps=8, save_every=3))
     ckpts = checkpoint.all_checkpoints(str(tmp_path / "checkpoints"))
     assert [os.path.basename(c) for c in ckpts] == ["step_00000003"]
@@ -224,7 +224,7 @@ def test_a_bad_update_with_a_finite_loss_is_never_saved(small_corpus, tmp_path, 
     """The loss of step N comes before step N's update: a step whose update is bad (a non-finite
     gradient norm; or weights gone non-finite with finite metrics) is never saved as good."""
     poison(monkeypatch, 6, ("optim/grad_norm",) if poison_ == "grad_norm" else ())  # step 6, a save step
-    error = (train.TrainingError, r"loss [0-9.]+, grad_norm nan at step 6.*step_00000003") if poison_ == "grad_norm" \
+    error = (run.TrainingError, r"loss [0-9.]+, grad_norm nan at step 6.*step_00000003") if poison_ == "grad_norm" \
         else (checkpoint.CheckpointError, r"not saving step 6: non-finite values.*step_00000003")
     with pytest.raises(error[0], match=error[1]):
         train.main(small(small_corpus, tmp_path, steps=8, save_every=3))

@@ -32,7 +32,8 @@ sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
 
-from shared import data, pretokenize, tokenstore  # noqa: E402
+from shared import data, objstore, pretokenize, sources, tokenstore  # noqa: E402
+from shared.tokenstore import DataError  # noqa: E402
 
 
 def rss_mb() -> float:
@@ -45,7 +46,7 @@ def rss_mb() -> float:
 
 def corpus_jsonl(work: str, mb: float, n_files: int) -> tuple[list[str], int]:
     """About `mb` MB of standard-library text as n_files JSONL files; (paths, text bytes)."""
-    docs = data.read_documents(data.DataConfig(max_bytes=int(mb * 1e6)))
+    docs = sources.read_documents(data.DataConfig(max_bytes=int(mb * 1e6)))
     os.makedirs(os.path.join(work, "text"), exist_ok=True)
     paths = []
     for i in range(n_files):
@@ -119,7 +120,7 @@ def step_rows_s(corpus, steps: int) -> float:
 
 def write_synthetic(path: str, gb: float, vocab: int = 32768, n_shards: int = 8) -> None:
     rng = np.random.default_rng(0)
-    folder = tokenstore.Folder(path)
+    folder = objstore.Folder(path, DataError)
     per = int(gb * 1e9 / 2 / n_shards)
     markers = []
     for k in range(n_shards):

@@ -58,10 +58,12 @@ from typing import Callable
 import jax
 from jax.sharding import PartitionSpec as P
 
+from shared.errors import StencilError
+
 log = logging.getLogger("stencil.kernels")
 
 
-class KernelError(ValueError):
+class KernelError(StencilError, ValueError):
     """A kernel backend cannot run this call (unknown, unavailable, or a call it cannot express).
 
     `refusal` holds the backend's own reason when a backend named explicitly cannot run the

@@ -89,13 +89,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from shared.errors import StencilError
 from shared.kernels.dispatch import named, per_shard, spec
 
 IMPLS = ("xla", "pallas", "pallas_interpret")
 PALLAS_BLOCK = 16  # sub-block of the Pallas kernel: tl.dot needs every dimension >= 16
 
 
-class KDAError(ValueError):
+class KDAError(StencilError, ValueError):
     """A call `kda` cannot run as asked (shapes, chunk size, implementation)."""
 
 

@@ -7,12 +7,14 @@ stacked on a leading axis and run with `jax.lax.scan`.
 
 Copied from templates/base; this variant adds grouped-query attention, optional tied
 embeddings, z-loss, bfloat16 compute and a configurable remat policy.
+
+Decoding (`init_cache`, `prefill`, `decode_step`; shared/generate.py drives them) keeps every
+layer's keys and values in a cache, so each new token costs one position, not the whole row.
 """
 
 from __future__ import annotations
 
 import math
-import typing
 from dataclasses import dataclass
 
 import jax
@@ -22,30 +24,10 @@ from jax.sharding import reshard
 
 from shared import flops, kernels
 from shared import weights as weights_lib
+from shared.config import ConfigError, check, check_types  # noqa: F401  (model.ConfigError, model.check)
 from shared.weights import Weight, normal, ones
 
 COPIED_FROM = "templates/base"
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot work; the message names the field."""
-
-
-def check(ok: bool, field: str, why: str) -> None:
-    if not ok:
-        raise ConfigError(f"{field}: {why}")
-
-
-def check_types(config, prefix: str = "") -> None:
-    """Every field of a config dataclass holds its declared type (a preset or a Python caller can pass
-    anything): "false" is not a bool, 2.5 not an int; an int is fine where a float is declared."""
-    for name, tp in typing.get_type_hints(type(config)).items():
-        v = getattr(config, name)
-        if tp is float:
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-        else:
-            ok = isinstance(v, tp) and (tp is bool or not isinstance(v, bool))
-        check(ok, prefix + name, f"must be {getattr(tp, '__name__', tp)}, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -189,7 +171,11 @@ def gather(w, spec, dtype):
     return reshard(w, spec).astype(dtype)
 
 
-def block(x, layer, angles, segment_ids, cfg: ModelConfig):
+def block(x, layer, angles, segment_ids, cfg: ModelConfig, cache=None):
+    """One layer. Returns (x, {"k", "v"}): this layer's keys (after RoPE) and values [B, T, Hkv, hd], which
+    prefill stores. With `cache` (decode_step: this layer's cached {"k", "v"} [B, S, Hkv, hd] with the
+    step's "slot" and "visible"), the new keys and values are written at `slot` and the queries attend
+    to the cache instead (`attend_cache`); the cache's updated {"k", "v"} come back then."""
     dt = x.dtype
     B, T, _ = x.shape
     col, row, heads = P(None, "model"), P("model", None), P("data", None, "model", None)
@@ -200,7 +186,12 @@ def block(x, layer, angles, segment_ids, cfg: ModelConfig):
         k = jnp.einsum("btd,dk->btk", h, gather(layer["wk"], col, dt)).reshape(B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads)
         v = jnp.einsum("btd,dk->btk", h, gather(layer["wv"], col, dt)).reshape(B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads)
         q, k = rope(q, angles), rope(k, angles)
-        o = kernels.attention(q, k, v, segment_ids=segment_ids, causal=True, backend=cfg.attention_backend)
+        if cache is None:
+            o = kernels.attention(q, k, v, segment_ids=segment_ids, causal=True, backend=cfg.attention_backend)
+            kv = {"k": k, "v": v}
+        else:
+            kv = {n: jax.lax.dynamic_update_slice_in_dim(cache[n], new, cache["slot"], axis=1) for n, new in (("k", k), ("v", v))}
+            o = attend_cache(q, kv["k"], kv["v"], cache["visible"])
         o = o.reshape(B, T, cfg.n_heads * cfg.head_dim, out_sharding=P("data", None, "model"))
         x = x + jnp.einsum("btq,qd->btd", o, gather(layer["wo"], row, dt), out_sharding=P("data", None, None))
 
@@ -210,7 +201,7 @@ def block(x, layer, angles, segment_ids, cfg: ModelConfig):
         up = jnp.einsum("btd,df->btf", h, gather(layer["w_up"], col, dt))
         x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, gather(layer["w_down"], row, dt),
                            out_sharding=P("data", None, None))
-    return x
+    return x, kv
 
 
 REMAT = {
@@ -220,20 +211,25 @@ REMAT = {
 }
 
 
-def hidden_states(params, tokens, cfg: ModelConfig, *, segment_ids=None):
-    """Final-norm hidden states [B, T, D] in the compute dtype."""
+def hidden_states(params, tokens, cfg: ModelConfig, *, segment_ids=None, cache=None):
+    """Final-norm hidden states [B, T, D] in the compute dtype. With `cache` (prefill: an empty one from
+    init_cache), also that cache with every layer's keys and values in slots [0, T)."""
     dt = jnp.dtype(cfg.compute_dtype)
     x = reshard(params["embed"], P(None, None)).at[tokens].get(out_sharding=P("data", None, None)).astype(dt)
     angles = rope_angles(positions(tokens, segment_ids), cfg.head_dim, cfg.rope_theta)
 
     def step(x, layer):
         with jax.named_scope("layer"):  # profiles read layer/attention, layer/mlp (tools/profile_top.py)
-            return block(x, layer, angles, segment_ids, cfg), None
+            x, kv = block(x, layer, angles, segment_ids, cfg)
+            return x, (kv if cache is not None else None)
 
     if cfg.remat != "none":
         step = jax.checkpoint(step, policy=REMAT[cfg.remat])
-    x, _ = jax.lax.scan(step, x, params["layers"])
-    return rms_norm(x, params["final_norm"], cfg.norm_eps)
+    x, kv = jax.lax.scan(step, x, params["layers"])
+    h = rms_norm(x, params["final_norm"], cfg.norm_eps)
+    if cache is None:
+        return h
+    return h, cache | {n: jax.lax.dynamic_update_slice_in_dim(cache[n], kv[n], 0, axis=2) for n in ("k", "v")}
 
 
 def unembedding(params, cfg: ModelConfig):
@@ -256,3 +252,74 @@ def loss_fn(params, batch, cfg: ModelConfig):
     ce, z = nll / n, zsq / n
     loss = ce + cfg.z_loss * z if cfg.z_loss else ce
     return loss, {"loss": ce, "z": z, "tokens": n}
+
+
+# ---------------------------------------------------------------- decoding with a cache
+
+def cache_specs(cfg: ModelConfig) -> dict:
+    """PartitionSpec of every leaf of `init_cache`: rows over `data`, heads over `model`, as in training."""
+    kv = P(None, "data", None, "model", None)
+    return {"k": kv, "v": kv, "pos": P("data"), "slot": P()}
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:
+    """An empty cache for `batch` rows of up to `max_len` slots (a prompt's left padding, the prompt and
+    the new tokens; the same slots in every row):
+      k, v  [n_layers, batch, max_len, n_kv_heads, head_dim] every layer's keys (after RoPE) and values;
+      pos   [batch] int32 each row's next position (the tokens it holds, padding not counted);
+      slot  [] int32 the slot the next token is written to (prompts are left-padded: one for all rows).
+    Memory grows linearly with max_len."""
+    specs, dt = cache_specs(cfg), jnp.dtype(cfg.compute_dtype)
+    shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+    return {"k": jnp.zeros(shape, dt, out_sharding=specs["k"]), "v": jnp.zeros(shape, dt, out_sharding=specs["v"]),
+            "pos": jnp.zeros((batch,), jnp.int32, out_sharding=specs["pos"]), "slot": jnp.zeros((), jnp.int32)}
+
+
+def prefill(params, tokens, cache, cfg: ModelConfig, *, lengths=None):
+    """Run the prompts and fill an empty cache. tokens [B, T]: row b's prompt is its last lengths[b]
+    tokens (left-padded; what the padding holds does not matter); lengths [B] (default: all T).
+    Returns (logits [B, V] fp32 for each row's next token, the cache at slot T).
+
+    The rows run as `forward` runs a packed row: the padding is a document of its own (segment id 0,
+    the prompt 1), so the prompt's positions start at 0 and nothing of it attends to the padding."""
+    B, T = tokens.shape
+    lengths = jnp.full((B,), T, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
+    lengths = reshard(lengths, cache_specs(cfg)["pos"])
+    segment_ids = (jnp.arange(T)[None, :] >= (T - lengths)[:, None]).astype(jnp.int32)
+    h, cache = hidden_states(params, tokens, cfg, segment_ids=segment_ids, cache=cache)
+    logits = jnp.einsum("bd,dv->bv", h[:, -1], unembedding(params, cfg), preferred_element_type=jnp.float32)
+    return logits, cache | {"pos": lengths, "slot": jnp.int32(T)}
+
+
+def attend_cache(q, k, v, visible):
+    """Attention of new queries q [B, T, H, hd] to the cache's keys and values [B, S, Hkv, hd] (each kv
+    head serves H / Hkv query heads), key slot s seen by row b where visible[b, s]; fp32 softmax. Plain
+    JAX, not shared/kernels: a decoding step has one query a row, and the whole cache is read once."""
+    B, T, H, D = q.shape
+    Hkv = k.shape[2]
+    qg = q.reshape(B, T, Hkv, H // Hkv, D, out_sharding=P("data", None, "model", None, None))
+    logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * D**-0.5
+    logits = jnp.where(visible[:, None, None, None, :], logits, -1e30)
+    probs = jax.nn.softmax(logits, axis=-1)
+    o = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v)
+    return o.reshape(B, T, H, D, out_sharding=P("data", None, "model", None))
+
+
+def decode_step(params, token, cache, cfg: ModelConfig):
+    """One new token per row, token [B] int32, at each row's next position and the cache's next slot.
+    Returns (logits [B, V] fp32 for the token after it, the cache holding it). The caller keeps the
+    slot below max_len (shared/generate.py does): a write past the end would be clamped onto the last slot."""
+    dt = jnp.dtype(cfg.compute_dtype)
+    x = reshard(params["embed"], P(None, None)).at[token[:, None]].get(out_sharding=P("data", None, None)).astype(dt)
+    angles = rope_angles(cache["pos"][:, None], cfg.head_dim, cfg.rope_theta)
+    slots, slot = jnp.arange(cache["k"].shape[2]), cache["slot"]
+    visible = (slots[None, :] >= (slot - cache["pos"])[:, None]) & (slots[None, :] <= slot)  # the row's tokens, and this one
+
+    def step(x, layer_and_kv):
+        layer, kv = layer_and_kv
+        return block(x, layer, angles, None, cfg, cache=kv | {"slot": slot, "visible": visible})
+
+    x, kv = jax.lax.scan(step, x, (params["layers"], {"k": cache["k"], "v": cache["v"]}))
+    h = rms_norm(x[:, 0], params["final_norm"], cfg.norm_eps)
+    logits = jnp.einsum("bd,dv->bv", h, unembedding(params, cfg), preferred_element_type=jnp.float32)
+    return logits, kv | {"pos": cache["pos"] + 1, "slot": slot + 1}

@@ -29,12 +29,15 @@ embeddings, z-loss, bfloat16 compute, remat policy); this variant adds:
 Widths are dense's: a KDA layer has more weights than an attention layer (k and v have
 n_heads heads, plus gates), so at the same shape the model is larger; `num_params` and
 `flops_per_token` count it as it is.
+
+Decoding (`init_cache`, `prefill`, `decode_step`; shared/generate.py drives them): a KDA layer
+keeps its state [H, head_dim, head_dim] and the last conv_size - 1 inputs of its short
+convolutions, whatever the length; an attention layer keeps its keys and values (linear in length).
 """
 
 from __future__ import annotations
 
 import math
-import typing
 from dataclasses import dataclass
 
 import jax
@@ -44,31 +47,11 @@ from jax.sharding import reshard
 
 from shared import flops, kernels
 from shared import weights as weights_lib
+from shared.config import ConfigError, check, check_types  # noqa: F401  (model.ConfigError, model.check)
 from shared.weights import Weight, normal, ones, uniform
-from shared.kernels.kda import kda, kda_flops_per_token
+from shared.kernels.kda import kda, kda_flops_per_token, kda_recurrent
 
 COPIED_FROM = "variants/dense"
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot work; the message names the field."""
-
-
-def check(ok: bool, field: str, why: str) -> None:
-    if not ok:
-        raise ConfigError(f"{field}: {why}")
-
-
-def check_types(config, prefix: str = "") -> None:
-    """Every field of a config dataclass holds its declared type (a preset or a Python caller can pass
-    anything): "false" is not a bool, 2.5 not an int; an int is fine where a float is declared."""
-    for name, tp in typing.get_type_hints(type(config)).items():
-        v = getattr(config, name)
-        if tp is float:
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-        else:
-            ok = isinstance(v, tp) and (tp is bool or not isinstance(v, bool))
-        check(ok, prefix + name, f"must be {getattr(tp, '__name__', tp)}, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -317,21 +300,36 @@ def mlp(x, layer, cfg: ModelConfig):
                               out_sharding=P("data", None, None))
 
 
-def kda_block(x, layer, docs, segment_ids, cfg: ModelConfig):
-    """A KDA layer (token mixing by the gated delta rule) and its MLP."""
+def kda_block(x, layer, docs, segment_ids, cfg: ModelConfig, cache=None):
+    """A KDA layer (token mixing by the gated delta rule) and its MLP. Returns (x, what decoding goes on
+    from: "state" [B, H, K, K] fp32 after the last token, and "conv_q", "conv_k", "conv_v"
+    [B, conv_size - 1, H * K], the short convolutions' last inputs, zero before the last document's
+    start), which prefill stores. With `cache` (decode_step: those of this layer, for one token a row),
+    the convolutions run over the cached inputs and the new one, the state takes one step of the rule
+    (`kda_recurrent`, the reference: one token needs no chunks), and the new cache comes back."""
     dt = x.dtype
     B, T, _ = x.shape
     H, K = cfg.n_heads, cfg.head_dim
     col, row, heads = P(None, "model"), P("model", None), P("data", None, "model", None)
     f32 = jnp.float32
+    new = {}
 
     with jax.named_scope("kda"):
         h = rms_norm(x, layer["attn_norm"], cfg.norm_eps)
 
         def proj_conv(name):  # projection, short convolution, SiLU, split into heads
             y = jnp.einsum("btd,dq->btq", h, gather(layer["w" + name], col, dt))
-            y = jax.nn.silu(short_conv(y, gather(layer["conv_" + name], col, dt), docs))
-            return y.reshape(B, T, H, K, out_sharding=heads)
+            w = gather(layer["conv_" + name], col, dt)
+            if cache is None:
+                n = cfg.conv_size - 1  # the inputs a next token's convolution reads: the last document's
+                tail = jnp.where((docs == docs[:, -1:])[..., None], y, 0)[:, max(T - n, 0):]
+                new["conv_" + name] = jnp.pad(tail, ((0, 0), (n - tail.shape[1], 0), (0, 0)))
+                y = short_conv(y, w, docs)
+            else:
+                y = jnp.concatenate([cache["conv_" + name], y], axis=1)  # [B, conv_size, H * K]
+                new["conv_" + name] = y[:, 1:]
+                y = short_conv(y, w, None)[:, -1:]
+            return jax.nn.silu(y).reshape(B, T, H, K, out_sharding=heads)
 
         q, k, v = l2_norm(proj_conv("q")), l2_norm(proj_conv("k")), proj_conv("v")
 
@@ -344,15 +342,21 @@ def kda_block(x, layer, docs, segment_ids, cfg: ModelConfig):
         A = jnp.exp(gather(layer["A_log"], P("model"), f32))[:, None]  # [H, 1]
         g = -A * jax.nn.softplus(low_rank("forget_down", "forget_up") + dt_bias)  # log decay per key channel, <= 0
         beta = jax.nn.sigmoid(jnp.einsum("btd,dh->bth", h, gather(layer["w_beta"], col, dt)).astype(f32))
-        o, _ = kda(q, k, v, g, beta, segment_ids=segment_ids, chunk_size=cfg.chunk_size, impl=cfg.kda_impl)
+        if cache is None:
+            o, new["state"] = kda(q, k, v, g, beta, segment_ids=segment_ids, chunk_size=cfg.chunk_size, impl=cfg.kda_impl)
+        else:
+            o, new["state"] = kda_recurrent(q, k, v, g, beta, initial_state=cache["state"])
         o = rms_norm(o, layer["o_norm"], cfg.norm_eps) * jax.nn.sigmoid(low_rank("ogate_down", "ogate_up")).astype(dt)
         o = o.reshape(B, T, H * K, out_sharding=P("data", None, "model"))
         x = x + jnp.einsum("btq,qd->btd", o, gather(layer["wo"], row, dt), out_sharding=P("data", None, None))
-    return mlp(x, layer, cfg)
+    return mlp(x, layer, cfg), new
 
 
-def block(x, layer, angles, segment_ids, cfg: ModelConfig):
-    """A softmax-attention layer (dense's) and its MLP."""
+def block(x, layer, angles, segment_ids, cfg: ModelConfig, cache=None):
+    """A softmax-attention layer (dense's) and its MLP. Returns (x, {"k", "v"}): this layer's keys (after
+    RoPE) and values [B, T, Hkv, hd], which prefill stores. With `cache` (decode_step: this layer's cached
+    {"k", "v"} [B, S, Hkv, hd] with the step's "slot" and "visible"), the new keys and values are written
+    at `slot` and the queries attend to the cache instead (`attend_cache`); the updated {"k", "v"} come back."""
     dt = x.dtype
     B, T, _ = x.shape
     col, row, heads = P(None, "model"), P("model", None), P("data", None, "model", None)
@@ -363,10 +367,15 @@ def block(x, layer, angles, segment_ids, cfg: ModelConfig):
         k = jnp.einsum("btd,dk->btk", h, gather(layer["wk"], col, dt)).reshape(B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads)
         v = jnp.einsum("btd,dk->btk", h, gather(layer["wv"], col, dt)).reshape(B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads)
         q, k = rope(q, angles), rope(k, angles)
-        o = kernels.attention(q, k, v, segment_ids=segment_ids, causal=True, backend=cfg.attention_backend)
+        if cache is None:
+            o = kernels.attention(q, k, v, segment_ids=segment_ids, causal=True, backend=cfg.attention_backend)
+            kv = {"k": k, "v": v}
+        else:
+            kv = {n: jax.lax.dynamic_update_slice_in_dim(cache[n], new, cache["slot"], axis=1) for n, new in (("k", k), ("v", v))}
+            o = attend_cache(q, kv["k"], kv["v"], cache["visible"])
         o = o.reshape(B, T, cfg.n_heads * cfg.head_dim, out_sharding=P("data", None, "model"))
         x = x + jnp.einsum("btq,qd->btd", o, gather(layer["wo"], row, dt), out_sharding=P("data", None, None))
-    return mlp(x, layer, cfg)
+    return mlp(x, layer, cfg), kv
 
 
 REMAT = {
@@ -376,8 +385,9 @@ REMAT = {
 }
 
 
-def hidden_states(params, tokens, cfg: ModelConfig, *, segment_ids=None):
-    """Final-norm hidden states [B, T, D] in the compute dtype."""
+def hidden_states(params, tokens, cfg: ModelConfig, *, segment_ids=None, cache=None):
+    """Final-norm hidden states [B, T, D] in the compute dtype. With `cache` (prefill: an empty one from
+    init_cache), also that cache holding every layer's state (`store_prompt`)."""
     dt = jnp.dtype(cfg.compute_dtype)
     x = reshard(params["embed"], P(None, None)).at[tokens].get(out_sharding=P("data", None, None)).astype(dt)
     angles = rope_angles(positions(tokens, segment_ids), cfg.head_dim, cfg.rope_theta)
@@ -385,11 +395,13 @@ def hidden_states(params, tokens, cfg: ModelConfig, *, segment_ids=None):
 
     def kda_step(x, layer):
         with jax.named_scope("kda_layer"):
-            return kda_block(x, layer, docs, segment_ids, cfg), None
+            x, state = kda_block(x, layer, docs, segment_ids, cfg)
+            return x, (state if cache is not None else None)
 
     def attn_step(x, layer):
         with jax.named_scope("attention_layer"):  # profiles read attention_layer/attention, kda_layer/kda, ... (tools/profile_top.py)
-            return block(x, layer, angles, segment_ids, cfg), None
+            x, kv = block(x, layer, angles, segment_ids, cfg)
+            return x, (kv if cache is not None else None)
 
     if cfg.remat != "none":
         kda_step = jax.checkpoint(kda_step, policy=REMAT[cfg.remat])
@@ -397,18 +409,25 @@ def hidden_states(params, tokens, cfg: ModelConfig, *, segment_ids=None):
 
     def super_block(x, layers):  # KDA layers (an inner scan), then one attention layer
         kda_layers, attn_layer = layers
-        x, _ = jax.lax.scan(kda_step, x, kda_layers)
-        return attn_step(x, attn_layer)
+        x, states = jax.lax.scan(kda_step, x, kda_layers)
+        x, kv = attn_step(x, attn_layer)
+        return x, (states, kv)
 
     N, L = cfg.global_every, cfg.n_layers
     full, tail = L // N, L % N  # `full` super-blocks of N layers; then `tail` layers (tail - 1 KDA, 1 attention)
     take = lambda tree, a, b: jax.tree.map(lambda w: w[a:b], tree)  # noqa: E731 leading (layer) axis
+    parts = []  # (KDA layers' states, attention layers' kv), each stacked on a leading layer axis
     if full:
         kda_full = jax.tree.map(lambda w: split_layers(w, full, N - 1), take(params["kda"], 0, full * (N - 1)))
-        x, _ = jax.lax.scan(super_block, x, (kda_full, take(params["attn"], 0, full)))
+        x, (states, kv) = jax.lax.scan(super_block, x, (kda_full, take(params["attn"], 0, full)))
+        parts.append((jax.tree.map(merge_layers, states), kv))
     if tail:
-        x, _ = super_block(x, (take(params["kda"], full * (N - 1), None), jax.tree.map(lambda w: w[full], params["attn"])))
-    return rms_norm(x, params["final_norm"], cfg.norm_eps)
+        x, (states, kv) = super_block(x, (take(params["kda"], full * (N - 1), None), jax.tree.map(lambda w: w[full], params["attn"])))
+        parts.append((states, jax.tree.map(lambda a: a[None], kv)))
+    h = rms_norm(x, params["final_norm"], cfg.norm_eps)
+    if cache is None:
+        return h
+    return h, store_prompt(cache, parts)
 
 
 def split_layers(w, n, m):
@@ -418,6 +437,15 @@ def split_layers(w, n, m):
         return w.reshape(n, m, *w.shape[1:])
     spec = spec + (None,) * (w.ndim - len(spec))
     return w.reshape(n, m, *w.shape[1:], out_sharding=P(None, None, *spec[1:]))
+
+
+def merge_layers(w):
+    """[n, m, ...] -> [n * m, ...], keeping the sharding of the other axes (split_layers' inverse)."""
+    spec = tuple(jax.typeof(w).sharding.spec) if not jax.sharding.get_abstract_mesh().empty else None
+    if spec is None:
+        return w.reshape(-1, *w.shape[2:])
+    spec = spec + (None,) * (w.ndim - len(spec))
+    return w.reshape(-1, *w.shape[2:], out_sharding=P(None, *spec[2:]))
 
 
 def unembedding(params, cfg: ModelConfig):
@@ -440,3 +468,100 @@ def loss_fn(params, batch, cfg: ModelConfig):
     ce, z = nll / n, zsq / n
     loss = ce + cfg.z_loss * z if cfg.z_loss else ce
     return loss, {"loss": ce, "z": z, "tokens": n}
+
+
+# ---------------------------------------------------------------- decoding with a cache
+
+def cache_specs(cfg: ModelConfig) -> dict:
+    """PartitionSpec of every leaf of `init_cache`: rows over `data`, heads (and their channels) over `model`."""
+    kv, conv = P(None, "data", None, "model", None), P(None, "data", None, "model")
+    return {"kda": {"state": P(None, "data", "model", None, None), "conv_q": conv, "conv_k": conv, "conv_v": conv},
+            "attn": {"k": kv, "v": kv}, "pos": P("data"), "slot": P()}
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:
+    """An empty cache for `batch` rows of up to `max_len` slots (a prompt's left padding, the prompt and
+    the new tokens; the same slots in every row):
+      kda.state           [KDA layers, batch, n_heads, head_dim, head_dim] fp32, the delta rule's state;
+      kda.conv_q, _k, _v  [KDA layers, batch, conv_size - 1, n_heads * head_dim] the convolutions' last inputs;
+      attn.k, .v          [attention layers, batch, max_len, n_kv_heads, head_dim] keys (after RoPE), values;
+      pos                 [batch] int32 each row's next position (the tokens it holds, padding not counted);
+      slot                [] int32 the slot the next token is written to (one for all rows: prompts are left-padded).
+    Only the attention layers' memory grows with max_len."""
+    specs, dt = cache_specs(cfg), jnp.dtype(cfg.compute_dtype)
+    Lk, La = layer_counts(cfg)
+    H, K = cfg.n_heads, cfg.head_dim
+    conv = lambda n: jnp.zeros((Lk, batch, cfg.conv_size - 1, H * K), dt, out_sharding=specs["kda"][n])  # noqa: E731
+    kv = lambda n: jnp.zeros((La, batch, max_len, cfg.n_kv_heads, K), dt, out_sharding=specs["attn"][n])  # noqa: E731
+    return {"kda": {"state": jnp.zeros((Lk, batch, H, K, K), jnp.float32, out_sharding=specs["kda"]["state"]),
+                    **{n: conv(n) for n in ("conv_q", "conv_k", "conv_v")}},
+            "attn": {n: kv(n) for n in ("k", "v")},
+            "pos": jnp.zeros((batch,), jnp.int32, out_sharding=specs["pos"]), "slot": jnp.zeros((), jnp.int32)}
+
+
+def store_prompt(cache, parts) -> dict:
+    """The layers' states after the prompt, parts = [(KDA layers' states, attention layers' kv)] in layer
+    order, into an empty cache: KDA states and convolution inputs as they are, keys and values in slots [0, T)."""
+    kda_states = {n: jnp.concatenate([p[0][n] for p in parts]) for n in cache["kda"]}
+    attn = {n: jax.lax.dynamic_update_slice_in_dim(cache["attn"][n], jnp.concatenate([p[1][n] for p in parts]), 0, axis=2)
+            for n in ("k", "v")}
+    return cache | {"kda": kda_states, "attn": attn}
+
+
+def prefill(params, tokens, cache, cfg: ModelConfig, *, lengths=None):
+    """Run the prompts and fill an empty cache. tokens [B, T]: row b's prompt is its last lengths[b]
+    tokens (left-padded; what the padding holds does not matter); lengths [B] (default: all T).
+    Returns (logits [B, V] fp32 for each row's next token, the cache at slot T).
+
+    The rows run as `forward` runs a packed row: the padding is a document of its own (segment id 0,
+    the prompt 1), so the prompt's positions start at 0, nothing of it attends to the padding, and
+    the KDA state and the convolutions start afresh at the prompt (the chunked kernel, as in training)."""
+    B, T = tokens.shape
+    lengths = jnp.full((B,), T, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
+    lengths = reshard(lengths, cache_specs(cfg)["pos"])
+    segment_ids = (jnp.arange(T)[None, :] >= (T - lengths)[:, None]).astype(jnp.int32)
+    h, cache = hidden_states(params, tokens, cfg, segment_ids=segment_ids, cache=cache)
+    logits = jnp.einsum("bd,dv->bv", h[:, -1], unembedding(params, cfg), preferred_element_type=jnp.float32)
+    return logits, cache | {"pos": lengths, "slot": jnp.int32(T)}
+
+
+def attend_cache(q, k, v, visible):
+    """Attention of new queries q [B, T, H, hd] to the cache's keys and values [B, S, Hkv, hd] (each kv
+    head serves H / Hkv query heads), key slot s seen by row b where visible[b, s]; fp32 softmax. Plain
+    JAX, not shared/kernels: a decoding step has one query a row, and the whole cache is read once."""
+    B, T, H, D = q.shape
+    Hkv = k.shape[2]
+    qg = q.reshape(B, T, Hkv, H // Hkv, D, out_sharding=P("data", None, "model", None, None))
+    logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * D**-0.5
+    logits = jnp.where(visible[:, None, None, None, :], logits, -1e30)
+    probs = jax.nn.softmax(logits, axis=-1)
+    o = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v)
+    return o.reshape(B, T, H, D, out_sharding=P("data", None, "model", None))
+
+
+def decode_step(params, token, cache, cfg: ModelConfig):
+    """One new token per row, token [B] int32, at each row's next position and the cache's next slot.
+    Returns (logits [B, V] fp32 for the token after it, the cache holding it). The caller keeps the
+    slot below max_len (shared/generate.py does): a write past the end would be clamped onto the last slot.
+
+    The layers run one after the other in their order (a Python loop over the two stacks)."""
+    dt = jnp.dtype(cfg.compute_dtype)
+    x = reshard(params["embed"], P(None, None)).at[token[:, None]].get(out_sharding=P("data", None, None)).astype(dt)
+    angles = rope_angles(cache["pos"][:, None], cfg.head_dim, cfg.rope_theta)
+    slots, slot = jnp.arange(cache["attn"]["k"].shape[2]), cache["slot"]
+    visible = (slots[None, :] >= (slot - cache["pos"])[:, None]) & (slots[None, :] <= slot)  # the row's tokens, and this one
+    new = {"kda": [], "attn": []}
+    for is_attn in attention_layers(cfg):
+        kind = "attn" if is_attn else "kda"
+        i = len(new[kind])
+        layer = jax.tree.map(lambda w: w[i], params[kind])
+        mine = {n: c[i] for n, c in cache[kind].items()}
+        if is_attn:
+            x, mine = block(x, layer, angles, None, cfg, cache=mine | {"slot": slot, "visible": visible})
+        else:
+            x, mine = kda_block(x, layer, None, None, cfg, cache=mine)
+        new[kind].append(mine)
+    h = rms_norm(x[:, 0], params["final_norm"], cfg.norm_eps)
+    logits = jnp.einsum("bd,dv->bv", h, unembedding(params, cfg), preferred_element_type=jnp.float32)
+    stacked = {kind: {n: jnp.stack([m[n] for m in ms]) for n in cache[kind]} for kind, ms in new.items()}
+    return logits, stacked | {"pos": cache["pos"] + 1, "slot": slot + 1}

@@ -30,16 +30,18 @@ this variant changes the feed-forward and the sharding:
     all-to-all over `expert` (ragged all-to-all, or a fixed-capacity one: `a2a`);
   - remat "moe": save the weight matmuls and the expert-side tensors (`moe_in`, `moe_out`),
     so the backward pass does not repeat the all-to-alls;
-  - `flops_per_token` counts active parameters only (top-k routed + shared + router).
+  - `flops_per_token` counts active parameters only (top-k routed + shared + router);
+  - decoding (`init_cache`, `prefill`, `decode_step`) as swa_hybrid's (global layers keep every
+    slot, local ones a ring of `window`), with the experts always dropless: see `prefill`.
 
 Parameters are a plain dict of arrays; `param_specs` gives a PartitionSpec for every leaf.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-import typing
 from dataclasses import dataclass
 
 import jax
@@ -50,33 +52,13 @@ from jax.sharding import reshard
 
 from shared import flops, kernels
 from shared import weights as weights_lib
+from shared.config import ConfigError, check, check_types  # noqa: F401  (model.ConfigError, model.check)
 from shared.weights import Weight, normal, ones, zeros
 
 COPIED_FROM = "variants/swa_hybrid"
 
 BATCH = ("data", "expert")  # rows of the batch (and FSDP shards) live on both axes
 RAGGED_ALL_TO_ALL = jax.lax.ragged_all_to_all  # module-level so a test can emulate it on CPU
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot work; the message names the field."""
-
-
-def check(ok: bool, field: str, why: str) -> None:
-    if not ok:
-        raise ConfigError(f"{field}: {why}")
-
-
-def check_types(config, prefix: str = "") -> None:
-    """Every field of a config dataclass holds its declared type (a preset or a Python caller can pass
-    anything): "false" is not a bool, 2.5 not an int; an int is fine where a float is declared."""
-    for name, tp in typing.get_type_hints(type(config)).items():
-        v = getattr(config, name)
-        if tp is float:
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-        else:
-            ok = isinstance(v, tp) and (tp is bool or not isinstance(v, bool))
-        check(ok, prefix + name, f"must be {getattr(tp, '__name__', tp)}, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -394,25 +376,30 @@ def gather(w, spec, dtype):
 
 
 def attend(q, k, v, angles, segment_ids, is_global, cfg: ModelConfig):
-    """Attention of one layer: the sliding-window branch or the global one, chosen by data."""
+    """Attention of one layer: the sliding-window branch or the global one, chosen by data.
+    Returns (output, the keys after the layer's RoPE)."""
 
     def local(q, k, v):
         q, k = rope(q, angles["local"]), rope(k, angles["local"])
         return kernels.attention(q, k, v, segment_ids=segment_ids, causal=True, window=cfg.window,
-                                 softcap=cfg.attn_softcap, backend=local_backend(cfg))
+                                 softcap=cfg.attn_softcap, backend=local_backend(cfg)), k
 
     def global_(q, k, v):
         if cfg.global_rope == "rope":
             q, k = rope(q, angles["global"]), rope(k, angles["global"])
         return kernels.attention(q, k, v, segment_ids=segment_ids, causal=True, window=None,
-                                 softcap=cfg.attn_softcap, backend=cfg.attention_backend)
+                                 softcap=cfg.attn_softcap, backend=cfg.attention_backend), k
 
     return jax.lax.cond(is_global, global_, local, q, k, v)
 
 
 @jax.named_scope("attention")  # profiles read moe_layer/attention, moe_layer/moe/experts, ... (tools/profile_top.py)
-def attention(x, layer, angles, segment_ids, is_global, cfg: ModelConfig):
-    """x + the attention sub-block's output."""
+def attention(x, layer, angles, segment_ids, is_global, cfg: ModelConfig, cache=None):
+    """(x + the attention sub-block's output, {"k", "v"}: this layer's keys (after RoPE) and values
+    [B, T, Hkv, hd], which prefill stores). With `cache` (decode_step: this layer's cached {"k", "v"}
+    [B, S, Hkv, hd] with the step's "slot" and "visible"; `is_global` a Python bool then), the new keys
+    and values are written at `slot` and the queries attend to the cache instead (`attend_cache`); the
+    cache's updated {"k", "v"} come back then. A local layer's cache is its ring of the last `window` slots."""
     dt = x.dtype
     B, T, _ = x.shape
     col, row, heads = P(None, "model"), P("model", None), P(BATCH, None, "model", None)
@@ -422,11 +409,19 @@ def attention(x, layer, angles, segment_ids, is_global, cfg: ModelConfig):
     v = jnp.einsum("btd,dk->btk", h, gather(layer["wv"], col, dt)).reshape(B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads)
     if cfg.qk_norm:  # per-head RMSNorm over head_dim, one learned scale vector per layer
         q, k = rms_norm(q, layer["q_norm"], cfg.norm_eps), rms_norm(k, layer["k_norm"], cfg.norm_eps)
-    o = attend(q, k, v, angles, segment_ids, is_global, cfg)
+    if cache is None:
+        o, k = attend(q, k, v, angles, segment_ids, is_global, cfg)
+        kv = {"k": k, "v": v}
+    else:
+        rotary = "global" if is_global else "local"
+        if rotary == "local" or cfg.global_rope == "rope":
+            q, k = rope(q, angles[rotary]), rope(k, angles[rotary])
+        kv = {n: jax.lax.dynamic_update_slice_in_dim(cache[n], new, cache["slot"], axis=1) for n, new in (("k", k), ("v", v))}
+        o = attend_cache(q, kv["k"], kv["v"], cache["visible"], cfg.attn_softcap)
     if cfg.head_gate:
         o = o * (2 * jax.nn.sigmoid(layer["head_gate"].astype(jnp.float32))).astype(dt)[:, None]
     o = o.reshape(B, T, cfg.n_heads * cfg.head_dim, out_sharding=P(BATCH, None, "model"))
-    return x + jnp.einsum("btq,qd->btd", o, gather(layer["wo"], row, dt), out_sharding=P(BATCH, None, None))
+    return x + jnp.einsum("btq,qd->btd", o, gather(layer["wo"], row, dt), out_sharding=P(BATCH, None, None)), kv
 
 
 @jax.named_scope("mlp")
@@ -652,9 +647,11 @@ REMAT = {
 }
 
 
-def hidden_states(params, tokens, cfg: ModelConfig, *, segment_ids=None, loss_mask=None):
+def hidden_states(params, tokens, cfg: ModelConfig, *, segment_ids=None, loss_mask=None, cache=None):
     """(final-norm hidden states [B, T, D] in the compute dtype, per-MoE-layer stats stacked on axis 0).
-    loss_mask [B, T] (default all ones): the tokens the router z-loss and balance loss count."""
+    loss_mask [B, T] (default all ones): the tokens the router z-loss and balance loss count. With
+    `cache` (prefill: an empty one from init_cache), a third output: that cache holding every layer's
+    keys and values (`store_prompt`)."""
     dt = jnp.dtype(cfg.compute_dtype)
     tokens = reshard(tokens, P(BATCH, None))
     if segment_ids is not None:
@@ -665,27 +662,33 @@ def hidden_states(params, tokens, cfg: ModelConfig, *, segment_ids=None, loss_ma
     @jax.named_scope("dense_layer")
     def dense_step(x, layer_and_kind):
         layer, is_global = layer_and_kind
-        x = attention(x, layer, angles, segment_ids, is_global, cfg)
+        x, kv = attention(x, layer, angles, segment_ids, is_global, cfg)
         h = rms_norm(x, layer["mlp_norm"], cfg.norm_eps)
-        return x + swiglu(h, layer["w_gate"], layer["w_up"], layer["w_down"]), None
+        return x + swiglu(h, layer["w_gate"], layer["w_up"], layer["w_down"]), (kv if cache is not None else None)
 
     @jax.named_scope("moe_layer")
     def moe_step(x, layer_and_kind):
         layer, is_global = layer_and_kind
-        x = attention(x, layer, angles, segment_ids, is_global, cfg)
+        x, kv = attention(x, layer, angles, segment_ids, is_global, cfg)
         with jax.named_scope("moe"):
             y, stats = moe_ffn(rms_norm(x, layer["mlp_norm"], cfg.norm_eps), layer, cfg, loss_mask)
-        return x + y, stats
+        return x + y, (stats, kv if cache is not None else None)
 
     if cfg.remat != "none":
         dense_step = jax.checkpoint(dense_step, policy=REMAT[cfg.remat])
         moe_step = jax.checkpoint(moe_step, policy=REMAT[cfg.remat])
     kinds = jnp.asarray(global_layers(cfg))  # the layer pattern, scanned alongside the weights
     nd = cfg.n_dense_layers
+    kv = []  # the dense layers' and the MoE layers' keys and values, each stacked on a leading layer axis
     if nd:
-        x, _ = jax.lax.scan(dense_step, x, (params["dense_layers"], kinds[:nd]))
-    x, stats = jax.lax.scan(moe_step, x, (params["moe_layers"], kinds[nd:]))
-    return rms_norm(x, params["final_norm"], cfg.norm_eps), stats
+        x, dense_kv = jax.lax.scan(dense_step, x, (params["dense_layers"], kinds[:nd]))
+        kv.append(dense_kv)
+    x, (stats, moe_kv) = jax.lax.scan(moe_step, x, (params["moe_layers"], kinds[nd:]))
+    h = rms_norm(x, params["final_norm"], cfg.norm_eps)
+    if cache is None:
+        return h, stats
+    kv = {n: jnp.concatenate([part[n] for part in kv + [moe_kv]]) for n in ("k", "v")}
+    return h, stats, store_prompt(cache, kv, cfg)
 
 
 def unembedding(params, cfg: ModelConfig):
@@ -729,3 +732,123 @@ def loss_fn(params, batch, cfg: ModelConfig):
     return loss, {"loss": ce, "z": z, "tokens": n, "load": st["load"].astype(jnp.float32),
                   "dropped": jnp.sum(st["dropped"]).astype(jnp.float32),
                   "assignments": jnp.float32(B * T * cfg.top_k * Lm), "router_z": router_z, "balance": balance}
+
+
+# ---------------------------------------------------------------- decoding with a cache
+
+def cache_specs(cfg: ModelConfig) -> dict:
+    """PartitionSpec of every leaf of `init_cache`: rows over ("data", "expert") (BATCH), heads over `model`."""
+    kv = P(None, BATCH, None, "model", None)
+    return {"global": {"k": kv, "v": kv}, "local": {"k": kv, "v": kv}, "pos": P(BATCH), "slot": P()}
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:
+    """An empty cache for `batch` rows of up to `max_len` slots (a prompt's left padding, the prompt and
+    the new tokens; the same slots in every row):
+      global.k, .v  [global layers, batch, max_len, n_kv_heads, head_dim] keys (after RoPE) and values;
+      local.k, .v   [local layers, batch, R, n_kv_heads, head_dim], R = min(window, max_len): a ring,
+                    slot s at s % R, holding the last R slots (all a local layer sees);
+      pos           [batch] int32 each row's next position (the tokens it holds, padding not counted);
+      slot          [] int32 the slot the next token is written to (prompts are left-padded: one for all rows).
+    Layers count dense ones first, as global_layers does. Memory grows with max_len in the global layers only."""
+    specs, dt = cache_specs(cfg), jnp.dtype(cfg.compute_dtype)
+    n_global = sum(global_layers(cfg))
+    sizes = {"global": (n_global, max_len), "local": (cfg.n_layers - n_global, min(cfg.window, max_len))}
+    cache = {kind: {n: jnp.zeros((L, batch, S, cfg.n_kv_heads, cfg.head_dim), dt, out_sharding=specs[kind][n])
+                    for n in ("k", "v")} for kind, (L, S) in sizes.items()}
+    return cache | {"pos": jnp.zeros((batch,), jnp.int32, out_sharding=specs["pos"]), "slot": jnp.zeros((), jnp.int32)}
+
+
+def store_prompt(cache, kv, cfg: ModelConfig) -> dict:
+    """Every layer's prompt keys and values kv [n_layers, B, T, ...] into an empty cache: a global layer's
+    in slots [0, T), a local layer's last R slots in its ring (slot s at s % R)."""
+    T = kv["k"].shape[2]
+    kinds = global_layers(cfg)
+    out = dict(cache)
+    for kind, is_global in (("global", True), ("local", False)):
+        layers = [i for i, g in enumerate(kinds) if g == is_global]
+        if not layers:
+            continue
+        R = cache[kind]["k"].shape[2]
+        for n in ("k", "v"):
+            x = jnp.stack([kv[n][i] for i in layers])  # [layers of this kind, B, T, ...]
+            if T > R:  # a local ring shorter than the prompt: its last R slots, slot s at s % R
+                x = jnp.roll(x[:, :, T - R:], (T - R) % R, axis=2)
+            else:
+                x = jax.lax.dynamic_update_slice_in_dim(cache[kind][n], x, 0, axis=2)
+            out[kind] = out[kind] | {n: x}
+    return out
+
+
+def prefill(params, tokens, cache, cfg: ModelConfig, *, lengths=None):
+    """Run the prompts and fill an empty cache. tokens [B, T]: row b's prompt is its last lengths[b]
+    tokens (left-padded; what the padding holds does not matter); lengths [B] (default: all T).
+    Returns (logits [B, V] fp32 for each row's next token, the cache at slot T).
+
+    The rows run as `forward` runs a packed row: the padding is a document of its own (segment id 0,
+    the prompt 1), so the prompt's positions start at 0 and nothing of it attends to the padding.
+
+    Routing: every token goes to its top-k experts as in `forward` (the router is per token), and the
+    experts run dropless whatever `dispatch` says (here and in decode_step). Under dispatch="capacity",
+    `forward` drops the assignments past an expert's slots on a device, and which those are depends
+    on the other tokens of the pass on that device (other rows, the padding); generation has no such
+    batch, so it drops nothing. It equals `forward` with dispatch="dropless", and `forward` itself
+    whenever that drops nothing (train/dropped = 0); tests/test_moe_hero.py checks both."""
+    cfg = dataclasses.replace(cfg, dispatch="dropless")
+    B, T = tokens.shape
+    lengths = jnp.full((B,), T, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
+    lengths = reshard(lengths, cache_specs(cfg)["pos"])
+    segment_ids = (jnp.arange(T)[None, :] >= (T - lengths)[:, None]).astype(jnp.int32)
+    h, _, cache = hidden_states(params, tokens, cfg, segment_ids=segment_ids, cache=cache)
+    logits = jnp.einsum("bd,dv->bv", h[:, -1], unembedding(params, cfg), preferred_element_type=jnp.float32)
+    return logits, cache | {"pos": lengths, "slot": jnp.int32(T)}
+
+
+def attend_cache(q, k, v, visible, softcap: float):
+    """Attention of new queries q [B, T, H, hd] to the cache's keys and values [B, S, Hkv, hd] (each kv
+    head serves H / Hkv query heads), key slot s seen by row b where visible[b, s]; logits soft-capped
+    as in training, fp32 softmax. Plain JAX, not shared/kernels: a decoding step has one query a row,
+    and the whole cache (a local layer's ring: its window) is read once."""
+    B, T, H, D = q.shape
+    Hkv = k.shape[2]
+    qg = q.reshape(B, T, Hkv, H // Hkv, D, out_sharding=P(BATCH, None, "model", None, None))
+    logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * D**-0.5
+    if softcap:
+        logits = softcap * jnp.tanh(logits / softcap)
+    logits = jnp.where(visible[:, None, None, None, :], logits, -1e30)
+    probs = jax.nn.softmax(logits, axis=-1)
+    o = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v)
+    return o.reshape(B, T, H, D, out_sharding=P(BATCH, None, "model", None))
+
+
+def decode_step(params, token, cache, cfg: ModelConfig):
+    """One new token per row, token [B] int32, at each row's next position and the cache's next slot.
+    Returns (logits [B, V] fp32 for the token after it, the cache holding it). The caller keeps the
+    slot below max_len (shared/generate.py does): a write past the end would be clamped onto the last slot.
+
+    The layers run one after the other (a Python loop: local and global caches differ in length, and
+    dense and MoE layers in weights); each token is routed as `forward` routes it, dropless (`prefill`)."""
+    cfg = dataclasses.replace(cfg, dispatch="dropless")
+    dt = jnp.dtype(cfg.compute_dtype)
+    x = reshard(params["embed"], P(None, None)).at[token[:, None]].get(out_sharding=P(BATCH, None, None)).astype(dt)
+    angles = layer_angles(cache["pos"][:, None], cfg)
+    slot, first = cache["slot"], cache["slot"] - cache["pos"]  # first: each row's first slot (its prompt's start)
+    s, R = jnp.arange(cache["global"]["k"].shape[2]), cache["local"]["k"].shape[2]
+    held = slot - (slot - jnp.arange(R)) % R  # the slot ring entry j holds once this token is written
+    at = {"global": {"slot": slot, "visible": (s[None, :] >= first[:, None]) & (s[None, :] <= slot)},
+          "local": {"slot": slot % R, "visible": held[None, :] >= first[:, None]}}
+    new = {"global": [], "local": []}
+    nd = cfg.n_dense_layers
+    for i, is_global in enumerate(global_layers(cfg)):
+        kind = "global" if is_global else "local"
+        layer = jax.tree.map(lambda w: w[i if i < nd else i - nd], params["dense_layers" if i < nd else "moe_layers"])
+        kv = {n: cache[kind][n][len(new[kind])] for n in ("k", "v")}
+        x, kv = attention(x, layer, angles, None, is_global, cfg, cache=kv | at[kind])
+        new[kind].append(kv)
+        h = rms_norm(x, layer["mlp_norm"], cfg.norm_eps)
+        x = x + (swiglu(h, layer["w_gate"], layer["w_up"], layer["w_down"]) if i < nd else moe_ffn(h, layer, cfg)[0])
+    h = rms_norm(x[:, 0], params["final_norm"], cfg.norm_eps)
+    logits = jnp.einsum("bd,dv->bv", h, unembedding(params, cfg), preferred_element_type=jnp.float32)
+    stacked = {kind: {n: jnp.stack([kv[n] for kv in kvs]) for n in ("k", "v")} if kvs else cache[kind]
+               for kind, kvs in new.items()}
+    return logits, stacked | {"pos": cache["pos"] + 1, "slot": slot + 1}

@@ -24,12 +24,16 @@ embeddings, z-loss, bfloat16 compute, remat policy); this variant adds:
   - a per-head output gate (`head_gate`): head h's output times 2 * sigmoid(g_h), g_h a
     learned scalar initialised at 0, so the gate starts as the identity. Weight decay
     pulls g_h back to 0, i.e. towards the identity, never towards shutting a head off.
+
+Decoding (`init_cache`, `prefill`, `decode_step`; shared/generate.py drives them) keeps every
+layer's keys and values in a cache, so each new token costs one position, not the whole row. A
+global layer keeps every slot; a local layer only its last `window` ones, in a ring (slot s at
+s % window): its memory stops growing past the window.
 """
 
 from __future__ import annotations
 
 import math
-import typing
 from dataclasses import dataclass
 
 import jax
@@ -39,30 +43,10 @@ from jax.sharding import reshard
 
 from shared import flops, kernels
 from shared import weights as weights_lib
+from shared.config import ConfigError, check, check_types  # noqa: F401  (model.ConfigError, model.check)
 from shared.weights import Weight, normal, ones, zeros
 
 COPIED_FROM = "variants/dense"
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot work; the message names the field."""
-
-
-def check(ok: bool, field: str, why: str) -> None:
-    if not ok:
-        raise ConfigError(f"{field}: {why}")
-
-
-def check_types(config, prefix: str = "") -> None:
-    """Every field of a config dataclass holds its declared type (a preset or a Python caller can pass
-    anything): "false" is not a bool, 2.5 not an int; an int is fine where a float is declared."""
-    for name, tp in typing.get_type_hints(type(config)).items():
-        v = getattr(config, name)
-        if tp is float:
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-        else:
-            ok = isinstance(v, tp) and (tp is bool or not isinstance(v, bool))
-        check(ok, prefix + name, f"must be {getattr(tp, '__name__', tp)}, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -257,6 +241,7 @@ def gather(w, spec, dtype):
 
 def attend(q, k, v, angles, segment_ids, is_global, cfg: ModelConfig):
     """Attention of one layer: the sliding-window branch or the global one, chosen by data.
+    Returns (output, the keys after the layer's RoPE).
 
     Both branches are traced (each with a static window for the kernel); `lax.cond` runs one.
     """
@@ -264,18 +249,23 @@ def attend(q, k, v, angles, segment_ids, is_global, cfg: ModelConfig):
     def local(q, k, v):
         q, k = rope(q, angles["local"]), rope(k, angles["local"])
         return kernels.attention(q, k, v, segment_ids=segment_ids, causal=True, window=cfg.window,
-                                 softcap=cfg.attn_softcap, backend=local_backend(cfg))
+                                 softcap=cfg.attn_softcap, backend=local_backend(cfg)), k
 
     def global_(q, k, v):
         if cfg.global_rope == "rope":
             q, k = rope(q, angles["global"]), rope(k, angles["global"])
         return kernels.attention(q, k, v, segment_ids=segment_ids, causal=True, window=None,
-                                 softcap=cfg.attn_softcap, backend=cfg.attention_backend)
+                                 softcap=cfg.attn_softcap, backend=cfg.attention_backend), k
 
     return jax.lax.cond(is_global, global_, local, q, k, v)
 
 
-def block(x, layer, angles, segment_ids, is_global, cfg: ModelConfig):
+def block(x, layer, angles, segment_ids, is_global, cfg: ModelConfig, cache=None):
+    """One layer. Returns (x, {"k", "v"}): this layer's keys (after RoPE) and values [B, T, Hkv, hd], which
+    prefill stores. With `cache` (decode_step: this layer's cached {"k", "v"} [B, S, Hkv, hd] with the
+    step's "slot" and "visible"; `is_global` a Python bool then), the new keys and values are written at
+    `slot` and the queries attend to the cache instead (`attend_cache`); the cache's updated {"k", "v"}
+    come back then. A local layer's cache is its ring of the last `window` slots."""
     dt = x.dtype
     B, T, _ = x.shape
     col, row, heads = P(None, "model"), P("model", None), P("data", None, "model", None)
@@ -287,7 +277,15 @@ def block(x, layer, angles, segment_ids, is_global, cfg: ModelConfig):
         v = jnp.einsum("btd,dk->btk", h, gather(layer["wv"], col, dt)).reshape(B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads)
         if cfg.qk_norm:  # per-head RMSNorm over head_dim, one learned scale vector per layer
             q, k = rms_norm(q, layer["q_norm"], cfg.norm_eps), rms_norm(k, layer["k_norm"], cfg.norm_eps)
-        o = attend(q, k, v, angles, segment_ids, is_global, cfg)
+        if cache is None:
+            o, k = attend(q, k, v, angles, segment_ids, is_global, cfg)
+            kv = {"k": k, "v": v}
+        else:
+            rotary = "global" if is_global else "local"
+            if rotary == "local" or cfg.global_rope == "rope":
+                q, k = rope(q, angles[rotary]), rope(k, angles[rotary])
+            kv = {n: jax.lax.dynamic_update_slice_in_dim(cache[n], new, cache["slot"], axis=1) for n, new in (("k", k), ("v", v))}
+            o = attend_cache(q, kv["k"], kv["v"], cache["visible"], cfg.attn_softcap)
         if cfg.head_gate:
             o = o * (2 * jax.nn.sigmoid(layer["head_gate"].astype(jnp.float32))).astype(dt)[:, None]
         o = o.reshape(B, T, cfg.n_heads * cfg.head_dim, out_sharding=P("data", None, "model"))
@@ -299,7 +297,7 @@ def block(x, layer, angles, segment_ids, is_global, cfg: ModelConfig):
         up = jnp.einsum("btd,df->btf", h, gather(layer["w_up"], col, dt))
         x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, gather(layer["w_down"], row, dt),
                            out_sharding=P("data", None, None))
-    return x
+    return x, kv
 
 
 REMAT = {
@@ -309,8 +307,9 @@ REMAT = {
 }
 
 
-def hidden_states(params, tokens, cfg: ModelConfig, *, segment_ids=None):
-    """Final-norm hidden states [B, T, D] in the compute dtype."""
+def hidden_states(params, tokens, cfg: ModelConfig, *, segment_ids=None, cache=None):
+    """Final-norm hidden states [B, T, D] in the compute dtype. With `cache` (prefill: an empty one from
+    init_cache), also that cache holding every layer's keys and values (`store_prompt`)."""
     dt = jnp.dtype(cfg.compute_dtype)
     x = reshard(params["embed"], P(None, None)).at[tokens].get(out_sharding=P("data", None, None)).astype(dt)
     angles = layer_angles(positions(tokens, segment_ids), cfg)
@@ -318,13 +317,17 @@ def hidden_states(params, tokens, cfg: ModelConfig, *, segment_ids=None):
     def step(x, layer_and_kind):
         layer, is_global = layer_and_kind
         with jax.named_scope("layer"):  # profiles read layer/attention, layer/mlp (tools/profile_top.py)
-            return block(x, layer, angles, segment_ids, is_global, cfg), None
+            x, kv = block(x, layer, angles, segment_ids, is_global, cfg)
+            return x, (kv if cache is not None else None)
 
     if cfg.remat != "none":
         step = jax.checkpoint(step, policy=REMAT[cfg.remat])
     kinds = jnp.asarray(global_layers(cfg))  # the layer pattern, scanned alongside the weights
-    x, _ = jax.lax.scan(step, x, (params["layers"], kinds))
-    return rms_norm(x, params["final_norm"], cfg.norm_eps)
+    x, kv = jax.lax.scan(step, x, (params["layers"], kinds))
+    h = rms_norm(x, params["final_norm"], cfg.norm_eps)
+    if cache is None:
+        return h
+    return h, store_prompt(cache, kv, cfg)
 
 
 def unembedding(params, cfg: ModelConfig):
@@ -347,3 +350,111 @@ def loss_fn(params, batch, cfg: ModelConfig):
     ce, z = nll / n, zsq / n
     loss = ce + cfg.z_loss * z if cfg.z_loss else ce
     return loss, {"loss": ce, "z": z, "tokens": n}
+
+
+# ---------------------------------------------------------------- decoding with a cache
+
+def cache_specs(cfg: ModelConfig) -> dict:
+    """PartitionSpec of every leaf of `init_cache`: rows over `data`, heads over `model`, as in training."""
+    kv = P(None, "data", None, "model", None)
+    return {"global": {"k": kv, "v": kv}, "local": {"k": kv, "v": kv}, "pos": P("data"), "slot": P()}
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:
+    """An empty cache for `batch` rows of up to `max_len` slots (a prompt's left padding, the prompt and
+    the new tokens; the same slots in every row):
+      global.k, .v  [global layers, batch, max_len, n_kv_heads, head_dim] keys (after RoPE) and values;
+      local.k, .v   [local layers, batch, R, n_kv_heads, head_dim], R = min(window, max_len): a ring,
+                    slot s at s % R, holding the last R slots (all a local layer sees);
+      pos           [batch] int32 each row's next position (the tokens it holds, padding not counted);
+      slot          [] int32 the slot the next token is written to (prompts are left-padded: one for all rows).
+    Memory grows linearly with max_len in the global layers only."""
+    specs, dt = cache_specs(cfg), jnp.dtype(cfg.compute_dtype)
+    n_global = sum(global_layers(cfg))
+    sizes = {"global": (n_global, max_len), "local": (cfg.n_layers - n_global, min(cfg.window, max_len))}
+    cache = {kind: {n: jnp.zeros((L, batch, S, cfg.n_kv_heads, cfg.head_dim), dt, out_sharding=specs[kind][n])
+                    for n in ("k", "v")} for kind, (L, S) in sizes.items()}
+    return cache | {"pos": jnp.zeros((batch,), jnp.int32, out_sharding=specs["pos"]), "slot": jnp.zeros((), jnp.int32)}
+
+
+def store_prompt(cache, kv, cfg: ModelConfig) -> dict:
+    """Every layer's prompt keys and values kv [n_layers, B, T, ...] into an empty cache: a global layer's
+    in slots [0, T), a local layer's last R slots in its ring (slot s at s % R)."""
+    T = kv["k"].shape[2]
+    kinds = global_layers(cfg)
+    out = dict(cache)
+    for kind, is_global in (("global", True), ("local", False)):
+        layers = [i for i, g in enumerate(kinds) if g == is_global]
+        if not layers:
+            continue
+        R = cache[kind]["k"].shape[2]
+        for n in ("k", "v"):
+            x = jnp.stack([kv[n][i] for i in layers])  # [layers of this kind, B, T, ...]
+            if T > R:  # a local ring shorter than the prompt: its last R slots, slot s at s % R
+                x = jnp.roll(x[:, :, T - R:], (T - R) % R, axis=2)
+            else:
+                x = jax.lax.dynamic_update_slice_in_dim(cache[kind][n], x, 0, axis=2)
+            out[kind] = out[kind] | {n: x}
+    return out
+
+
+def prefill(params, tokens, cache, cfg: ModelConfig, *, lengths=None):
+    """Run the prompts and fill an empty cache. tokens [B, T]: row b's prompt is its last lengths[b]
+    tokens (left-padded; what the padding holds does not matter); lengths [B] (default: all T).
+    Returns (logits [B, V] fp32 for each row's next token, the cache at slot T).
+
+    The rows run as `forward` runs a packed row: the padding is a document of its own (segment id 0,
+    the prompt 1), so the prompt's positions start at 0 and nothing of it attends to the padding."""
+    B, T = tokens.shape
+    lengths = jnp.full((B,), T, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
+    lengths = reshard(lengths, cache_specs(cfg)["pos"])
+    segment_ids = (jnp.arange(T)[None, :] >= (T - lengths)[:, None]).astype(jnp.int32)
+    h, cache = hidden_states(params, tokens, cfg, segment_ids=segment_ids, cache=cache)
+    logits = jnp.einsum("bd,dv->bv", h[:, -1], unembedding(params, cfg), preferred_element_type=jnp.float32)
+    return logits, cache | {"pos": lengths, "slot": jnp.int32(T)}
+
+
+def attend_cache(q, k, v, visible, softcap: float):
+    """Attention of new queries q [B, T, H, hd] to the cache's keys and values [B, S, Hkv, hd] (each kv
+    head serves H / Hkv query heads), key slot s seen by row b where visible[b, s]; logits soft-capped
+    as in training, fp32 softmax. Plain JAX, not shared/kernels: a decoding step has one query a row,
+    and the whole cache (a local layer's ring: its window) is read once."""
+    B, T, H, D = q.shape
+    Hkv = k.shape[2]
+    qg = q.reshape(B, T, Hkv, H // Hkv, D, out_sharding=P("data", None, "model", None, None))
+    logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * D**-0.5
+    if softcap:
+        logits = softcap * jnp.tanh(logits / softcap)
+    logits = jnp.where(visible[:, None, None, None, :], logits, -1e30)
+    probs = jax.nn.softmax(logits, axis=-1)
+    o = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v)
+    return o.reshape(B, T, H, D, out_sharding=P("data", None, "model", None))
+
+
+def decode_step(params, token, cache, cfg: ModelConfig):
+    """One new token per row, token [B] int32, at each row's next position and the cache's next slot.
+    Returns (logits [B, V] fp32 for the token after it, the cache holding it). The caller keeps the
+    slot below max_len (shared/generate.py does): a write past the end would be clamped onto the last slot.
+
+    The layers run one after the other (a Python loop: a local and a global layer have caches of
+    different lengths, so they do not stack into one scan)."""
+    dt = jnp.dtype(cfg.compute_dtype)
+    x = reshard(params["embed"], P(None, None)).at[token[:, None]].get(out_sharding=P("data", None, None)).astype(dt)
+    angles = layer_angles(cache["pos"][:, None], cfg)
+    slot, first = cache["slot"], cache["slot"] - cache["pos"]  # first: each row's first slot (its prompt's start)
+    s, R = jnp.arange(cache["global"]["k"].shape[2]), cache["local"]["k"].shape[2]
+    held = slot - (slot - jnp.arange(R)) % R  # the slot ring entry j holds once this token is written
+    at = {"global": {"slot": slot, "visible": (s[None, :] >= first[:, None]) & (s[None, :] <= slot)},
+          "local": {"slot": slot % R, "visible": held[None, :] >= first[:, None]}}
+    new = {"global": [], "local": []}
+    for i, is_global in enumerate(global_layers(cfg)):
+        kind = "global" if is_global else "local"
+        layer = jax.tree.map(lambda w: w[i], params["layers"])
+        kv = {n: cache[kind][n][len(new[kind])] for n in ("k", "v")}
+        x, kv = block(x, layer, angles, None, is_global, cfg, cache=kv | at[kind])
+        new[kind].append(kv)
+    h = rms_norm(x[:, 0], params["final_norm"], cfg.norm_eps)
+    logits = jnp.einsum("bd,dv->bv", h, unembedding(params, cfg), preferred_element_type=jnp.float32)
+    stacked = {kind: {n: jnp.stack([kv[n] for kv in kvs]) for n in ("k", "v")} if kvs else cache[kind]
+               for kind, kvs in new.items()}
+    return logits, stacked | {"pos": cache["pos"] + 1, "slot": slot + 1}

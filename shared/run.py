@@ -1,0 +1,431 @@
+"""The run around a train loop: everything a train.py's `main()` needs that no variant edits.
+
+A variant's train.py keeps its model, its step and its loop; this module keeps the surroundings:
+
+    with run.Run(cfg, HERE, mesh) as r, jax.set_mesh(mesh):  # run dir, lock, resume refusals, data
+        state = r.restore(abstract_state) if r.checkpoint else init(...)
+        r.begin(n_params, flops_per_token)                     # logger, saver, stop signals, watchdog, clock
+        for step in r.steps():                                 # start+1 .. end; opens the profiler window
+            state, metrics = train_step(state, batch)
+            due = r.step_done(step, metrics)                   # fetches the previous step's metrics; what is due
+            if not due: continue
+            row = r.fetch()                                    # this step's metrics, on the host, checked
+            ... evaluate (with r.clock.aside()), r.log, r.save, sample, r.preempted
+        return r.finish(state)
+
+Each piece is a small function or class of its own, read top to bottom:
+  pick_run_dir        the run directory: --run_dir, a --resume_from path's run, the newest runs/<variant>-*
+                      for --resume, or a new runs/<variant>-<time>
+  find_checkpoint     the checkpoint to resume from (or None), refusing a fresh run over checkpoints
+  refuse_resume       every refusal that is the same for every variant: another model or data config,
+                      another data stream, another optimizer, a weight average turned on or off, no steps left
+  Clock               tokens/s and MFU between log lines, less the time set aside (eval, saves, samples)
+  Profiler            a jax.profiler trace of the steps A..B (--profile_steps), with the compiled program's text
+  Fetch               the one-step-late metric fetch: the host reads step N's metrics while step N+1 runs, and
+                      a non-finite loss or gradient norm stops the run naming the last good checkpoint
+  Due                 what is due after a step: log, eval, save, sample, stop (a signal), the profile's end
+  Run                 the above for one run, as a context manager that releases everything on the way out
+
+The loop stays in train.py because a variant may change it (another schedule of evaluations, a
+second optimizer step, a curriculum); nothing here calls back into the variant.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import jax
+
+from shared import checkpoint, data, distributed, flops, guard, kernels, metrics
+from shared.config import RUN_FIELDS, check_fields
+from shared.errors import StencilError
+
+
+@dataclass
+class RunConfig:
+    """The settings of a run's surroundings, the same in every folder: every TrainConfig derives from it, so
+    they are flags of every train.py (`--run_dir`, `--resume true`, ...). A folder changes a default by
+    declaring the field again in its TrainConfig."""
+    log_every: int = 10  # a metrics row and a log line every this many steps (and the first and last step)
+    save_every: int = 100  # also saved at the end; 0 = only at the end
+    keep_checkpoints: int = 3
+    run_dir: str = ""  # "" = runs/<variant>-<time>; with --resume, the newest runs/<variant>-*
+    checkpoint_dir: str = ""  # "" = <run_dir>/checkpoints; or a path, file://, gs://bucket/prefix, s3://bucket/prefix
+    resume: bool = False  # continue from the newest good checkpoint in run_dir
+    resume_from: str = ""  # continue from this checkpoint: a step of run_dir's, or a checkpoint's path
+    watchdog_s: int = 1800  # abort (exit 70, every thread's stack written) if no step completes this long; 0 = off
+    wandb: str = "auto"  # auto | online | offline | disabled
+    profile_steps: str = ""  # "A:B": a jax.profiler trace of steps A..B into <run_dir>/profile ("" = none)
+
+    def __post_init__(self):
+        check_fields(self, RUN_FIELDS)
+
+
+class TrainingError(StencilError, RuntimeError):
+    """The run cannot go on (a non-finite loss, a checkpoint that does not match this run)."""
+
+
+class Preempted(Exception):
+    """Stopped on SIGTERM, SIGINT or SIGUSR1 after saving a checkpoint; exit with guard.EXIT_PREEMPTED."""
+
+
+# ---------------------------------------------------------------- where the run lives
+
+def pick_run_dir(cfg, variant: str) -> str:
+    """--run_dir; else the run of a local --resume_from path; else for --resume (or a --resume_from step) the
+    newest runs/<variant>-* with a checkpoint; else a new runs/<variant>-<time> (process 0's clock)."""
+    if cfg.run_dir:
+        return cfg.run_dir
+    if cfg.resume_from and not cfg.resume_from.isdigit() and not checkpoint.is_url(cfg.resume_from):  # a local step_X
+        return os.path.dirname(os.path.dirname(os.path.abspath(cfg.resume_from)))
+    if cfg.resume or (cfg.resume_from and not checkpoint.is_url(cfg.resume_from)):  # a URL's: a new run dir
+        runs = sorted(d for d in os.listdir("runs") if d.startswith(variant + "-")) if os.path.isdir("runs") else []
+        runs = [os.path.join("runs", d) for d in runs if checkpoint.latest(os.path.join("runs", d, "checkpoints"))]
+        if not runs:
+            raise TrainingError(f"--resume: no runs/{variant}-*/ with a checkpoint in {os.getcwd()}; pass --run_dir")
+        return runs[-1]
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(distributed.start_time()))
+    return os.path.join("runs", f"{variant}-{stamp}")
+
+
+def find_checkpoint(cfg, run_dir: str, ckpt_dir: str) -> str | None:
+    """The checkpoint this run continues from: --resume_from's, or with --resume the newest complete one;
+    None for a fresh run. A fresh run over existing checkpoints is refused (never overwritten)."""
+    resume = cfg.resume or bool(cfg.resume_from)
+    last = checkpoint.find(ckpt_dir, cfg.resume_from) if cfg.resume_from else checkpoint.latest(ckpt_dir)
+    if last and not resume:
+        raise TrainingError(f"{run_dir} already has checkpoints ({os.path.basename(last)}); "
+                            "pass --resume true to continue it, or another --run_dir")
+    if resume and not last:
+        raise TrainingError(f"--resume: no complete checkpoint in {ckpt_dir}")
+    return last
+
+
+def data_stream(cfg, corpus) -> dict:
+    """What decides the data a step sees and what its token ids mean: saved with every checkpoint."""
+    return {"corpus": corpus.digest, "tokenizer": corpus.tokenizer_digest, "seq_len": cfg.seq_len}
+
+
+def refuse_resume(cfg, meta: dict, stream: dict, path: str) -> None:
+    """Raise TrainingError when the checkpoint at `path` (its metadata `meta`) cannot continue as this run."""
+    saved = meta["config"]
+    for part in ("model", "data"):
+        now = dataclasses.asdict(getattr(cfg, part))
+        paths = ("source", "tokenizer", "cache_dir", "eval") if part == "data" else ()  # content: compared below
+        diff = {k: (saved[part].get(k), v) for k, v in now.items() if saved[part].get(k) != v and k not in paths}
+        if diff:
+            raise TrainingError(f"--resume: {part} config differs from {path}: {diff} (saved, now)")
+    was = meta.get("stream", {})
+    diff = {k: (was[k], v) for k, v in stream.items() if k in was and was[k] != v}
+    if diff:
+        raise TrainingError(f"--resume: the data stream differs from {path}'s: {diff} (saved, now). A changed "
+                            "corpus, tokenizer or seq_len would change the data or the meaning of token ids")
+    if saved.get("optimizer", "adamw") != cfg.optimizer:  # another optimizer state: its tree does not match
+        raise TrainingError(f"--resume: {path} holds the state of --optimizer {saved.get('optimizer', 'adamw')}, "
+                            f"and this run asks for --optimizer {cfg.optimizer}: an optimizer state does not "
+                            f"carry over to another optimizer; resume with --optimizer "
+                            f"{saved.get('optimizer', 'adamw')}")
+    if (saved.get("optim", {}).get("ema", 0.0) > 0) != (cfg.optim.ema > 0):  # the average is in the state or not
+        raise TrainingError(f"--resume: {path} was saved with --optim.ema {saved.get('optim', {}).get('ema', 0.0)}"
+                            f" and this run asks for --optim.ema {cfg.optim.ema}: a weight average can be "
+                            "retuned on resume, not turned on or off")
+    if meta["step"] >= (cfg.stop_at or cfg.steps):
+        raise TrainingError(f"--resume: {path} is at step {meta['step']}, and this run ends at step "
+                            f"{cfg.stop_at or cfg.steps} (--steps / --stop_at): nothing to train")
+
+
+def profile_range(cfg) -> tuple[int, int] | None:
+    """`profile_steps` "A:B" as (A, B), None when it is empty or malformed."""
+    a, sep, b = cfg.profile_steps.partition(":")
+    if not (sep and a.isdigit() and b.isdigit() and 0 < int(a) <= int(b) <= cfg.steps):
+        return None
+    return int(a), int(b)
+
+
+# ---------------------------------------------------------------- the pieces of a running loop
+
+class Clock:
+    """Training throughput between log lines: tokens over wall time, less the time spent `aside()` (evaluation,
+    saves, samples, the profile's end). Starts after the first step (compiled and run once)."""
+
+    def __init__(self, tokens_per_step: int):
+        self.tokens_per_step = tokens_per_step
+        self.t, self.step, self.set_aside = 0.0, 0, 0.0
+
+    def start(self, step: int) -> None:
+        self.t, self.step, self.set_aside = time.perf_counter(), step, 0.0
+
+    @contextlib.contextmanager
+    def aside(self):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.set_aside += time.perf_counter() - t0
+
+    def tokens_per_second(self, step: int) -> float | None:
+        """Since the last call (or the start), then restarts; None when no step completed since."""
+        if step <= self.step:
+            return None
+        tok_s = self.tokens_per_step * (step - self.step) / (time.perf_counter() - self.t - self.set_aside)
+        self.start(step)
+        return tok_s
+
+
+class Profiler:
+    """--profile_steps A:B: a jax.profiler trace of steps A..B into <run_dir>/profile, and the compiled
+    step's text beside it (which scope each op comes from: tools/profile_top.py reads both)."""
+
+    def __init__(self, window: tuple[int, int] | None, run_dir: str):
+        self.window, self.dir = window, os.path.join(run_dir, "profile")
+
+    def before(self, step: int) -> None:
+        if self.window and step == self.window[0]:
+            jax.profiler.start_trace(self.dir)
+
+    def ends_at(self, step: int) -> bool:
+        return bool(self.window) and step == self.window[1]
+
+    def stop(self, state, lowered) -> str:
+        jax.block_until_ready(state)
+        jax.profiler.stop_trace()
+        if jax.process_index() == 0:
+            with open(os.path.join(self.dir, "jit_train_step.hlo.txt"), "w") as f:
+                f.write(lowered.compile().as_text())
+        return (f"profile of steps {self.window[0]}-{self.window[1]}: {self.dir}; the top ops: "
+                f"python tools/profile_top.py {self.dir}")
+
+
+class Fetch:
+    """Step N's metrics are read on the host while step N+1 runs, so the host never stalls the device. `push`
+    hands over a step's metrics (still on the device); `pull` returns the pending ones, checked."""
+
+    def __init__(self, on_bad):
+        self.pending = None  # (step, metrics on the device)
+        self.on_bad = on_bad  # called before the error is raised (waits for a save in flight, names the last good)
+        self.losses: dict[int, float] = {}
+
+    def push(self, step: int, m) -> None:
+        self.pending = (step, m)
+
+    def pull(self) -> dict:
+        step, m = self.pending
+        self.pending, m = None, {k: float(v) for k, v in jax.device_get(m).items()}
+        if not (math.isfinite(m["train/loss"]) and math.isfinite(m["optim/grad_norm"])):  # a bad update too
+            raise TrainingError(f"loss {m['train/loss']}, grad_norm {m['optim/grad_norm']} at step {step}; stopped "
+                                f"without saving. Last good checkpoint: {self.on_bad()} (untouched)")
+        self.losses[step] = m["train/loss"]
+        return m
+
+
+@dataclass
+class Due:
+    """What the loop does after a step, beyond stepping."""
+    log: bool = False
+    eval: bool = False
+    save: bool = False
+    sample: bool = False
+    stop: bool = False  # a stop signal arrived: save, then exit 75
+    profile_end: bool = False
+
+    def __bool__(self) -> bool:
+        return any(dataclasses.astuple(self))
+
+
+# ---------------------------------------------------------------- the run
+
+class Run:
+    """One training run's surroundings. Entering it picks the run directory, takes its lock, finds the
+    checkpoint to continue (refusing one that does not fit this run) and opens the data; `begin` starts
+    the logger, the saver, the stop signals and the watchdog; leaving it releases all of them, also on
+    an error. Attributes a loop reads: `checkpoint`, `start`, `end`, `loader`, `evals`, `corpus`, `clock`."""
+
+    def __init__(self, cfg, folder: str, mesh):
+        self.cfg, self.mesh, self.variant = cfg, mesh, os.path.basename(os.path.abspath(folder))
+        self.run_dir = pick_run_dir(cfg, self.variant)
+        self.ckpt_dir = cfg.checkpoint_dir or os.path.join(self.run_dir, "checkpoints")
+        self.lock = guard.RunLock(self.run_dir, self.ckpt_dir)  # one run per directory: a second is refused
+        self.logger = self.saver = self.stop = self.watchdog = None
+        try:
+            self._open(cfg)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _open(self, cfg) -> None:
+        self.checkpoint = find_checkpoint(cfg, self.run_dir, self.ckpt_dir)
+        self.tokenizer_file = os.path.join(self.run_dir, "tokenizer.json")
+        data_cfg = cfg.data
+        if self.checkpoint and not data_cfg.tokenizer and os.path.exists(self.tokenizer_file):
+            data_cfg = dataclasses.replace(data_cfg, tokenizer=self.tokenizer_file)  # the run's own: ids keep meaning
+        p, n = jax.process_index(), jax.process_count()
+        self.corpus = data.load_corpus(data_cfg, cfg.model.vocab_size, progress=p == 0)
+        self.stream = data_stream(cfg, self.corpus)
+        self.loader = data.make_loader(self.corpus, cfg.seq_len, cfg.batch_size, cfg.data.seed, process_index=p,
+                                       process_count=n)
+        self.evals = data.eval_sets(self.corpus, cfg.seq_len, cfg.batch_size // cfg.grad_accum, cfg.eval_batches,
+                                    process_index=p, process_count=n)
+        self.start, self.end = 0, cfg.stop_at or cfg.steps
+        if self.checkpoint:
+            meta = checkpoint.read_metadata(self.checkpoint)
+            refuse_resume(cfg, meta, self.stream, self.checkpoint)
+            self.start = meta["step"]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.saver is not None:
+            self.saver.close()  # an error on the way out: the save in flight still ends (or is reported)
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        if self.stop is not None:
+            self.stop.restore()
+        if self.logger is not None:
+            self.logger.close()
+        self.lock.release()
+        return False
+
+    def restore(self, abstract_state):
+        """The checkpoint's state, placed as `abstract_state`'s shardings say; the loader continues where it was."""
+        state, meta = checkpoint.restore(self.checkpoint, abstract_state)
+        self.loader.restore(meta["loader"])
+        return state
+
+    def begin(self, n_params: int, flops_per_token: float) -> None:
+        """Start logging (metrics.jsonl, wandb, the bar), the saver, the stop signals and the watchdog, and write
+        the run's first line."""
+        cfg, mesh = self.cfg, self.mesh
+        self.flops_per_token = flops_per_token
+        self.peak, self.peak_src = flops.device_peak(cfg.model.compute_dtype)
+        self.clock = Clock(cfg.batch_size * cfg.seq_len)
+        self.logger = metrics.Logger(self.run_dir, dataclasses.asdict(cfg), total_steps=self.end, wandb_mode=cfg.wandb,
+                                  name=os.path.basename(self.run_dir), start_step=self.start,
+                                  process_index=jax.process_index())
+        if self.corpus.tokenizer is not None and jax.process_index() == 0 and not os.path.exists(self.tokenizer_file):
+            self.corpus.tokenizer.save(self.tokenizer_file)  # never over the run's own
+        self.write(f"{self.variant}: {n_params / 1e6:.2f}M params, {flops_per_token / 1e6:.1f} MFLOP/token, mesh "
+                   f"{dict(mesh.shape)}, {cfg.batch_size * cfg.seq_len} tokens/step, steps {self.start}->{self.end}, "
+                   f"run dir {self.run_dir}")
+        self.saver = checkpoint.Saver()  # asynchronous saves, one in flight
+        self.stop = guard.StopSignals()  # SIGTERM / SIGINT / SIGUSR1: finish the step, save, exit 75
+        self.watchdog = guard.Watchdog(cfg.watchdog_s, self.run_dir)
+        self.profiler = Profiler(profile_range(cfg), self.run_dir)
+        self.fetched = Fetch(self._last_good)
+        self.val_loss, self.sample, self.saved = None, "", None
+
+    def _last_good(self) -> str:
+        self.saver.wait()  # an earlier step's save in flight ends first, so the message names it
+        return checkpoint.latest_name(self.ckpt_dir)
+
+    def steps(self):
+        """The steps to run, start+1 .. end; the profiler's window opens before its first step."""
+        for step in range(self.start + 1, self.end + 1):
+            self.profiler.before(step)
+            yield step
+
+    def due(self, every: int, step: int) -> bool:
+        """A cadence: every `every` steps and at the end; 0 = only at the end."""
+        return step == self.end or (every > 0 and step % every == 0)
+
+    def step_done(self, step: int, m) -> Due:
+        """Hand over this step's metrics (on the device); fetch and check the previous step's meanwhile; say
+        what is due now. A background save that failed stops the run here."""
+        cfg = self.cfg
+        self.saver.check()
+        if self.fetched.pending is not None:
+            self._pull()  # the step before, while this one runs
+        self.fetched.push(step, m)
+        first, stopping = step == self.start + 1, step != self.end and self.stop.requested()  # every process agrees
+        eval_now = self.due(cfg.eval_every, step)
+        can_sample = cfg.sample_tokens > 0 and self.corpus.tokenizer is not None
+        return Due(log=first or self.due(cfg.log_every, step) or eval_now, eval=eval_now,
+                   save=self.due(cfg.save_every, step) or stopping,
+                   sample=self.due(cfg.sample_every, step) and can_sample,
+                   stop=stopping, profile_end=self.profiler.ends_at(step))
+
+    def _pull(self) -> dict:
+        m = self.fetched.pull()
+        self.watchdog.beat()  # a step completed (the first beat arms it: compilation is not counted)
+        return m
+
+    def fetch(self) -> dict:
+        """This step's metrics, on the host and checked. After the first step (compiled and run once) the
+        throughput clock starts and the kernels its program chose are recorded in config.json."""
+        step = self.fetched.pending[0]
+        row = self._pull()
+        if step == self.start + 1:
+            self.clock.start(step)
+            self.logger.record("kernels", kernels.choices())  # the backends the compiled step uses, per op
+        return row
+
+    def end_profile(self, state, lowered) -> None:
+        with self.clock.aside():
+            self.write(self.profiler.stop(state, lowered))
+
+    def log(self, step: int, row: dict, shown: dict) -> None:
+        """tokens/s and MFU since the last line join the row, which goes to metrics.jsonl and wandb; `shown`
+        ({metric: (label, format)}) picks what the progress bar and the log line show."""
+        tok_s = self.clock.tokens_per_second(step)
+        if tok_s is not None:
+            row |= {"throughput/tokens_per_second": tok_s,
+                    "throughput/mfu": flops.mfu(self.flops_per_token, tok_s, self.mesh.size, self.peak)}
+        if "eval/loss" in row:
+            self.val_loss = row["eval/loss"]
+        self.logger.log(step, row)
+        text = {label: format(row[k], f) for k, (label, f) in shown.items() if k in row}
+        self.logger.progress(step, **text)
+        self.write(f"step {step:6d}  " + "  ".join(f"{k} {v}" for k, v in text.items()) + f"  ({self.peak_src})")
+
+    def save(self, step: int, state) -> str:
+        """Save asynchronously (the loop waits for the host copy only) with what a resume needs."""
+        meta = {"config": dataclasses.asdict(self.cfg), "loader": self.loader.state(), "variant": self.variant,
+                "stream": self.stream}
+        with self.clock.aside():
+            self.saved = self.saver.save(self.ckpt_dir, step, state, meta, keep=self.cfg.keep_checkpoints)
+        return self.saved
+
+    def evaluate(self, eval_batch) -> dict:
+        """eval/loss of the held-out rows and eval/<name>/loss of every named set (--data.eval), each with its
+        bits per byte (eval/bpb, eval/<name>/bpb) when the set's text is known. `eval_batch(rows)` gives
+        (summed loss, tokens) of one batch of host rows. Not counted in tokens/s."""
+        row = {}
+        with self.clock.aside():
+            for name, s in self.evals.items():
+                nll, n = 0.0, 0.0
+                for b in s.batches:
+                    sums, count = eval_batch(b)
+                    nll, n = nll + float(sums), n + float(count)
+                key = f"eval/{name}/" if name else "eval/"
+                row[key + "loss"] = nll / max(n, 1.0)
+                if s.bpb(row[key + "loss"]) is not None:
+                    row[key + "bpb"] = s.bpb(row[key + "loss"])
+        return row
+
+    def show_sample(self, step: int, make_text) -> None:
+        """Run `make_text()` (a sample of the model; not counted in tokens/s) and print what it returns."""
+        with self.clock.aside():
+            self.sample = make_text()
+        self.write(f"--- sample after {step} steps ---\n{self.sample}\n---")
+
+    def write(self, text: str) -> None:
+        """A line on the console (process 0), without breaking the progress bar."""
+        self.logger.write(text)
+
+    def preempted(self, step: int) -> None:
+        """After a stop signal: wait for this step's save, say how to continue, raise Preempted (exit 75)."""
+        self.saver.wait()
+        self.write(f"stopped by a signal after step {step}: saved {self.saved}; exiting with code "
+                   f"{guard.EXIT_PREEMPTED}. Continue with --resume true --run_dir {self.run_dir}")
+        raise Preempted(f"preempted after step {step}; checkpoint {self.saved}")
+
+    def finish(self, state) -> dict:
+        """Wait for the last save to complete; what main() returns."""
+        self.saver.wait()
+        return {"run_dir": self.run_dir, "losses": self.fetched.losses, "val_loss": self.val_loss, "step": self.end,
+                "sample": self.sample, "state": state}
