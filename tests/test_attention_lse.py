@@ -4,7 +4,8 @@ Sinks are a learned per-head logit s_h that joins each query's softmax denominat
 a value. On the public API: out_sink = out * sigmoid(lse - s_h), since
 sum_j e^l_j v_j / (Z + e^s) = out * Z / (Z + e^s) with Z = e^lse. Checked here, values and
 gradients, against the plain definition (a sink column in the dense masked logits), on the
-reference (dense and blockwise-window paths) and on Pallas in interpret mode.
+reference (dense and blockwise-window paths), on blocked attention (plain JAX, blocks of 16
+here, so several per row) and on Pallas in interpret mode.
 """
 
 import functools
@@ -21,6 +22,7 @@ from shared import kernels
 
 A = importlib.import_module("shared.kernels.attention")
 PALLAS = importlib.import_module("shared.kernels.pallas_attention")
+BLOCKED = importlib.import_module("shared.kernels.blocked_attention")
 
 CASES = {  # name: (B, T, H, Hkv, D, kwargs, segments)
     "causal": (2, 40, 4, 2, 8, dict(causal=True), False),
@@ -69,10 +71,12 @@ def api_sinks(q, k, v, sinks, seg, backend, **kw):
 
 @pytest.fixture
 def pallas_on_cpu(monkeypatch):
-    """Make `backend="pallas"` run our kernels in interpret mode, in blocks of 16 (several per row)."""
+    """Make `backend="pallas"` run our kernels in interpret mode, and pallas and blocked run in blocks of 16
+    (several per row)."""
     monkeypatch.setitem(A.BACKENDS, "pallas", A.Backend("pallas", lambda: None, A._pallas_refuses,
                                                         functools.partial(A._pallas, interpret=True)))
     monkeypatch.setattr(PALLAS, "default_block", lambda T: 16)
+    monkeypatch.setattr(BLOCKED, "default_block", lambda T, window: 16)
 
 
 def close(a, b, tol, what):
@@ -81,7 +85,7 @@ def close(a, b, tol, what):
     assert err < tol, f"{what}: max error {err:.2e}"
 
 
-@pytest.mark.parametrize("backend", ["reference", "pallas"])
+@pytest.mark.parametrize("backend", ["reference", "pallas"])  # blocked: tests/test_kernel_backends.py
 @pytest.mark.parametrize("case", list(CASES))
 def test_lse_is_logsumexp_of_the_masked_logits(case, backend, pallas_on_cpu):
     B, T, H, Hkv, D, kw, segments = CASES[case]
@@ -94,7 +98,7 @@ def test_lse_is_logsumexp_of_the_masked_logits(case, backend, pallas_on_cpu):
     close(out, kernels.attention(q, k, v, segment_ids=seg, backend="reference", **kw), 1e-5, "out")
 
 
-@pytest.mark.parametrize("backend", ["reference", "pallas"])
+@pytest.mark.parametrize("backend", ["reference", "blocked", "pallas"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_sinks_on_the_public_api_match_the_dense_definition(case, backend, pallas_on_cpu):
     B, T, H, Hkv, D, kw, segments = CASES[case]
@@ -119,7 +123,7 @@ def test_lse_under_a_mesh_keeps_the_head_sharding(pallas_on_cpu):
     with jax.set_mesh(mesh):
         heads = NamedSharding(mesh, P("data", None, "model", None))
         args = [jax.device_put(x, heads) for x in (q, k, v)] + [jax.device_put(seg, NamedSharding(mesh, P("data")))]
-        for backend in ("reference", "pallas"):
+        for backend in ("reference", "blocked", "pallas"):
             for window in (None, 8):  # dense and blockwise reference paths
                 _, lse = jax.jit(lambda q, k, v, s: kernels.attention(
                     q, k, v, segment_ids=s, window=window, return_lse=True, backend=backend))(*args)

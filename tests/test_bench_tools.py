@@ -1,6 +1,8 @@
-"""tools/bench_step.py (the plain-JAX reference step) and tools/gpu_benchmark.py (on CPU: the plan,
-a real tiny job, the table, the time limits)."""
+"""tools/bench_step.py (the plain-JAX reference step; two attention backends side by side),
+tools/bench_attention.py (attention backends side by side at one shape) and tools/gpu_benchmark.py
+(on CPU: the plan, a real tiny job, the table, the time limits)."""
 
+import importlib
 import json
 import os
 import subprocess
@@ -8,7 +10,7 @@ import sys
 
 import pytest
 
-from shared.variant import ROOT
+from shared.variant import ROOT, load
 
 BENCH = os.path.join(ROOT, "tools", "bench_step.py")
 GPU = os.path.join(ROOT, "tools", "gpu_benchmark.py")
@@ -36,6 +38,45 @@ def test_bench_checks_then_times_both_steps_and_reports_noise():
 def test_bench_refuses_a_reference_it_does_not_have():
     p = run(BENCH, "--variant", "kda")
     assert p.returncode == 2 and "--no-reference" in p.stderr
+
+
+def test_bench_attention_checks_then_times_backends_side_by_side(capsys, monkeypatch):
+    """At one shape: a backend that refuses the call is reported and left out, the others are checked against
+    the last one and timed in interleaved rounds with their ratios to it; one that disagrees is not timed."""
+    bench = load(os.path.join(ROOT, "tools", "bench_attention.py"))
+    args = ["--shape", "2,16,2,1,8", "--window", "4", "--rounds", "1", "--calls", "1"]
+    assert bench.main([*args, "--backends", "pallas,blocked@8,reference"]) == 0
+    out = capsys.readouterr().out
+    assert "pallas: refused: Pallas (Triton) attention needs an NVIDIA GPU" in out, out
+    assert "check blocked@8 against reference" in out and "ratio to reference per round" in out, out
+    rows = [ln.split() for ln in out.splitlines() if ln.startswith(("blocked@8 ", "reference "))]
+    assert [r[0] for r in rows] == ["blocked@8", "reference"] and rows[1][-2] == "1.000", rows
+
+    A = importlib.import_module("shared.kernels.attention")
+    monkeypatch.setitem(A.BACKENDS, "wrong", A.Backend("wrong", lambda: None, lambda c: None,
+                                                       lambda q, k, v, **kw: A.reference(q, k, v, **kw) * 1.01))
+    assert bench.main([*args, "--backends", "wrong,reference"]) == 1
+    assert "['wrong'] disagree with reference" in capsys.readouterr().out
+    for bad, msg in ((["--shape", "2,16"], "five positive integers"), (["--backends", "nope"], "unknown attention"),
+                     (["--backends", "reference@8"], "only the blocked backend takes a block size")):
+        with pytest.raises(SystemExit):
+            bench.main([*args, *bad])
+        assert msg in capsys.readouterr().err
+
+
+def test_bench_step_times_two_attention_backends_side_by_side(capsys):
+    """--attention-backends: the variant's step with each backend on every attention layer, plus the noise
+    arm, each with its tokens/s and ratio to the last; a backend the config refuses is named."""
+    bench = load(os.path.join(ROOT, "tools", "bench_step.py"))
+    flags = ["--rounds", "1", "--steps-per-round", "1", *TINY]
+    assert bench.main([*flags, "--attention-backends", "blocked,reference"]) == 0
+    out = capsys.readouterr().out
+    for line in ("attention=blocked, again wall", "A/A' (noise)   wall",
+                 "tokens/s (median wall); / attention=reference"):
+        assert line in out, out
+    with pytest.raises(SystemExit):
+        bench.main([*flags, "--attention-backends", "nope"])
+    assert "model.attention_backend" in capsys.readouterr().err
 
 
 def test_gpu_benchmark_dry_run_plans_every_preset_first():

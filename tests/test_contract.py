@@ -665,27 +665,54 @@ def test_a_folder_without_a_cache_is_told_what_to_add():
 
 
 def _with_attention_backend(cfg, name):
-    """cfg with every attention layer on backend `name` (the global layers only, where a variant's
-    config refuses `name` for its local layers); None if the config refuses it altogether."""
-    local = {"local_attention_backend": name} if hasattr(cfg.model, "local_attention_backend") else {}
-    for fields in ({"attention_backend": name, **local}, {"attention_backend": name, "local_attention_backend": "auto"}):
-        if "local_attention_backend" in fields and not local:
-            continue
+    """(cfg with attention backend `name`, the layer kinds it runs on): every attention layer, or where a
+    variant has sliding-window layers and its config refuses `name` for them, the global layers only
+    (the local ones on `auto`). (None, []) if the config refuses `name` altogether."""
+    if not hasattr(cfg.model, "local_attention_backend"):
+        tries = [({"attention_backend": name}, ["attention"])]
+    else:
+        tries = [({"attention_backend": name, "local_attention_backend": name}, ["global", "local"]),
+                 ({"attention_backend": name, "local_attention_backend": "auto"}, ["global"])]
+    for fields, layers in tries:
         try:
-            return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **fields))
+            return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **fields)), layers
         except ValueError:
             continue
-    return None
+    return None, []
 
 
-def compare_attention_backends(r: TinyRun, names) -> dict:
+def _autos_attention_backends(r: TinyRun) -> set:
+    """The attention backends `auto` runs in r's model program (r.out): the program traced, not compiled,
+    with the process's record of kernel choices emptied meanwhile."""
+    dispatch = importlib.import_module("shared.kernels.dispatch")
+    saved = dispatch._choices, dispatch._logged
+    dispatch._choices, dispatch._logged = {}, set()
+    try:
+        with jax.set_mesh(r.mesh):
+            batch = {k: r.put(v, 0) for k, v in r.inputs["packed_mask1"].items()}
+            jax.jit(_model_program(r.model, r.cfg)).trace(r.init(r.key)["params"], batch)
+        return set(dispatch._choices.get("attention", {}))
+    finally:
+        dispatch._choices, dispatch._logged = saved
+
+
+def compare_attention_backends(r: TinyRun, names) -> tuple[dict, dict]:
     """Run the model program with each attention backend in `names` named explicitly and check its
-    logits and loss against `auto`'s (r.out). Returns {backend: why} for those refused."""
-    refused = {}
+    logits and loss against `auto`'s (r.out). Returns ({layer kind: [backends compared on it]},
+    {backend: why} for those refused). Layer kinds: "attention" (every attention layer of a variant
+    with one kind), or "global" and "local" (a variant with sliding-window layers). A backend that
+    `auto` itself runs on every attention layer is auto's program: listed as "NAME (auto's choice)",
+    not run again."""
+    compared, refused = {}, {}
+    autos = _autos_attention_backends(r)
     for name in names:
-        cfg = _with_attention_backend(r.cfg, name)
+        cfg, layers = _with_attention_backend(r.cfg, name)
         if cfg is None:
             refused[name] = "refused by the config"
+            continue
+        if autos == {name}:
+            for kind in layers:
+                compared.setdefault(kind, []).append(f"{name} (auto's choice)")
             continue
         with jax.set_mesh(r.mesh):
             params = r.init(r.key)["params"]
@@ -700,7 +727,9 @@ def compare_attention_backends(r: TinyRun, names) -> dict:
         np.testing.assert_allclose(float(loss), want_loss, rtol=tol, err_msg=f"{r.folder}: attention backend {name}")
         np.testing.assert_allclose(np.asarray(logits), want_logits, rtol=tol, atol=tol,
                                    err_msg=f"{r.folder}: attention backend {name}")
-    return refused
+        for kind in layers:
+            compared.setdefault(kind, []).append(name)
+    return compared, refused
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -708,12 +737,17 @@ def test_every_attention_backend_gives_autos_loss(variant):
     """The model program with each attention backend available here, named explicitly (on every
     layer, or on the global layers where the config refuses it for the local ones), gives the logits
     and loss of `auto`'s choice; a backend that refuses the tiny config's calls is passed over with
-    its reason. Only the reference runs on CPU, where this test has nothing to compare."""
+    its reason. On CPU: blocked and the reference (auto takes the reference at the tiny T = 32, so
+    blocked is what runs)."""
     names = kernels.available_backends("attention")
     if names == ["reference"]:
         pytest.skip("only the reference attention runs here, and auto picks it: nothing to compare")
-    refused = compare_attention_backends(tiny_run(variant), names)
-    print(f"{variant}: compared {[n for n in names if n not in refused]}; refused {refused}")
+    compared, refused = compare_attention_backends(tiny_run(variant), names)
+    assert compared, f"{variant}: no attention backend ran ({refused})"
+    if "blocked" in names:  # it has every mask, sliding windows included: it runs on every kind of layer
+        assert all(any(n.startswith("blocked") for n in ran) for ran in compared.values()), (variant, compared)
+    print(f"{variant}: " + "; ".join(f"{kind} layers compared {sorted(b)}" for kind, b in compared.items())
+          + f"; refused {refused}")
 
 
 def test_backend_comparison_catches_a_wrong_backend(monkeypatch):
@@ -728,9 +762,24 @@ def test_backend_comparison_catches_a_wrong_backend(monkeypatch):
     monkeypatch.setattr(A, "BACKENDS", registry)
     monkeypatch.setitem(kernels.REGISTRIES, "attention", registry)
     r = tiny_run("variants/dense")
-    assert compare_attention_backends(r, ["right"]) == {}
+    assert compare_attention_backends(r, ["right"]) == ({"attention": ["right"]}, {})
     with pytest.raises(AssertionError, match="attention backend wrong"):
         compare_attention_backends(r, ["wrong"])
+
+
+def test_backend_comparison_names_the_layers_each_backend_ran_on(monkeypatch):
+    """swa_hybrid: a backend without sliding windows is compared on the global layers only, and the
+    report says so (test_every_attention_backend_gives_autos_loss checks that blocked, which has
+    windows, is compared on both kinds)."""
+    A = importlib.import_module("shared.kernels.attention")
+    no_windows = lambda c: "no sliding window" if c.window is not None else None  # noqa: E731
+    registry = {"global_only": A.Backend("global_only", lambda: None, no_windows,
+                                         lambda q, k, v, **kw: A.reference(q, k, v, **kw), lambda c: "test-only"),
+                **A.BACKENDS}
+    monkeypatch.setattr(A, "BACKENDS", registry)
+    monkeypatch.setitem(kernels.REGISTRIES, "attention", registry)
+    compared, refused = compare_attention_backends(tiny_run("variants/swa_hybrid"), ["global_only"])
+    assert compared == {"global": ["global_only"]} and refused == {}, (compared, refused)
 
 
 # ---------------------------------------------------------------- the contract catches what it should

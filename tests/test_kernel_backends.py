@@ -1,11 +1,16 @@
-"""shared/kernels GPU backends, as far as a CPU machine can check them.
+"""shared/kernels backends: the GPU ones as far as a CPU machine can check them, and blocked attention.
 
 - Dispatch: the GPU backends are unavailable on CPU and `auto` takes the reference there for
-  every op; a backend named explicitly (by argument or STENCIL_KERNELS) that cannot run says
-  why and never falls back; a backend that cannot express a mask refuses; every choice,
-  named or `auto`, is logged once and recorded (`kernels.choices()`).
+  every op but attention, where blocked attention's measured rule may pick it; a backend named
+  explicitly (by argument or STENCIL_KERNELS) that cannot run says why and never falls back; a
+  backend that cannot express a mask refuses; every choice, named or `auto`, is logged once and
+  recorded (`kernels.choices()`).
 - A CPU-capable backend (a test-only one): available on CPU, listed by `usable` only for the
   calls it does not refuse, run when named, passed over by `auto` until measured on CPU.
+- Blocked attention (plain JAX, the one backend besides the reference that runs on CPU, and
+  `auto`'s choice there where its measured rule says so): against the reference (forward, lse
+  and gradients, every mask), its plan of blocks, its cost (linear in T for a window), per
+  device under a mesh, its refusals.
 - Pallas attention: our kernels in interpret mode against the reference (forward and
   gradients, every mask), also per device under a mesh; lowering for CUDA.
 - The torch glue (FlashAttention-4, QuACK RMSNorm and cross-entropy): run on CPU with torch
@@ -37,6 +42,7 @@ NORM = importlib.import_module("shared.kernels.rms_norm")
 CONV = importlib.import_module("shared.kernels.conv")
 DISPATCH = importlib.import_module("shared.kernels.dispatch")
 PALLAS = importlib.import_module("shared.kernels.pallas_attention")
+BLOCKED = importlib.import_module("shared.kernels.blocked_attention")
 
 
 def rand(rng, *shape, dtype=jnp.float32):
@@ -66,25 +72,44 @@ def fresh_record(monkeypatch):
     monkeypatch.setattr(DISPATCH, "_logged", set())
 
 
-def test_auto_takes_the_reference_on_cpu_for_every_op(monkeypatch, fresh_record):
-    """The GPU backends are unavailable on CPU, and `auto` takes the reference for every op there: no
-    backend that runs on CPU has a CPU measurement showing it pays (shared/kernels/dispatch.py). Other
-    CPU-capable backends may be available; one that enters `auto` on CPU changes this test, with its figure."""
+def test_auto_on_cpu_takes_the_reference_or_blocked_by_the_measured_rule(monkeypatch, fresh_record):
+    """The GPU backends are unavailable on CPU, and `auto` takes the reference for every op there but
+    attention, where it takes blocked where the rule measured on CPU says it pays (float32, causal,
+    T >= 128, no window or one of at least 48; shared/kernels/blocked_attention.py). A rule of the
+    call's shape alone: the same call picks the same backend every time (a resumed run too)."""
     monkeypatch.delenv("STENCIL_KERNELS", raising=False)
     assert set(GPU_ONLY) == set(kernels.REGISTRIES)
     for op, gpu in GPU_ONLY.items():
         here = kernels.available_backends(op)
         assert "reference" in here and not set(gpu) & set(here), (op, here)
+    assert kernels.available_backends("attention") == ["blocked", "reference"]
     rng = np.random.default_rng(0)
     x, w = rand(rng, 2, 5, 8), jnp.ones(8)
     np.testing.assert_allclose(kernels.rms_norm(x, w, eps=1e-5), NORM.reference(x, w, eps=1e-5))
     taps, docs = rand(rng, 4, 8), jnp.zeros((2, 5), jnp.int32)
     np.testing.assert_allclose(kernels.short_conv(x, taps, docs), CONV.reference(x, taps, docs))
-    q = rand(rng, 1, 8, 2, 16)
-    kernels.attention(q, q, q, window=4)
     kernels.cross_entropy(x, rand(rng, 8, 16), jnp.zeros((2, 5), jnp.int32), jnp.ones((2, 5)))
+
+    def auto(T, dtype=jnp.float32, **kw):  # the backend auto picks (the choice is made while tracing)
+        x = jax.ShapeDtypeStruct((2, T, 4, 16), dtype)
+        kv = jax.ShapeDtypeStruct((2, T, 2, 16), dtype)
+        before = {b: len(keys) for b, keys in kernels.choices().get("attention", {}).items()}
+        jax.eval_shape(lambda q, k, v: kernels.attention(q, k, v, **kw), x, kv, kv)
+        after = kernels.choices()["attention"]
+        return [b for b, keys in after.items() if len(keys) > before.get(b, 0)]
+
+    assert auto(128) == ["blocked"] and auto(256, window=64) == ["blocked"] and auto(512, window=48) == ["blocked"]
+    assert auto(64) == ["reference"] and auto(512, window=32) == ["reference"]
+    assert auto(136, jnp.bfloat16) == ["reference"] and auto(144, causal=False) == ["reference"]  # (a new shape
+    # each: the record keeps one entry per backend and shape)
+    assert auto(128) == [] and auto(64) == []  # the same calls again: the same choice, not recorded twice
     chosen = kernels.choices()
-    assert set(chosen) == set(GPU_ONLY) and all(list(per) == ["reference"] for per in chosen.values()), chosen
+    assert set(chosen) == set(GPU_ONLY) and all(list(per) == ["reference"] for op, per in chosen.items()
+                                                if op != "attention"), chosen
+    call = kernels.AttentionCall((2, 256, 4, 16), (2, 256, 2, 16), jnp.dtype(jnp.float32), True, None, False)
+    assert A.BACKENDS["blocked"].auto_skip(call) is None
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # elsewhere auto passes over it: measured on CPU only
+    assert A.BACKENDS["blocked"].auto_skip(call) == "measured to pay on CPU only, not on 'gpu'"
 
 
 def test_every_choice_is_logged_once_and_recorded(monkeypatch, fresh_record, caplog):
@@ -136,13 +161,16 @@ def cpu_backend(monkeypatch):
 
 
 def test_a_cpu_backend_is_usable_only_for_the_calls_it_does_not_refuse(cpu_backend, monkeypatch, fresh_record):
+    """Against the other backends that run here, whichever they are (the test does not list them)."""
     monkeypatch.delenv("STENCIL_KERNELS", raising=False)
-    assert kernels.available_backends("attention") == ["cpu_test", "reference"]
+    others = [b for b in kernels.available_backends("attention") if b != "cpu_test"]
+    assert kernels.available_backends("attention") == ["cpu_test", *others] and "reference" in others
     rng = np.random.default_rng(4)
     q, k, v = rand(rng, 2, 8, 4, 16), rand(rng, 2, 8, 2, 16), rand(rng, 2, 8, 2, 16)
     call = lambda window: kernels.AttentionCall(q.shape, k.shape, q.dtype, True, window, False)  # noqa: E731
-    assert kernels.usable("attention", call(None)) == ["cpu_test", "reference"]
-    assert kernels.usable("attention", call(4)) == ["reference"]
+    assert kernels.usable("attention", call(None))[0] == "cpu_test"
+    windowed = kernels.usable("attention", call(4))
+    assert "cpu_test" not in windowed and "reference" in windowed
     assert kernels.refusal("attention", "cpu_test", call(4)) == "this test backend has no sliding window"
     assert kernels.refusal("attention", "cpu_test", call(None)) is None
     assert kernels.refusal("attention", "cudnn", call(None)).startswith("cuDNN attention takes bfloat16")  # any machine
@@ -154,9 +182,10 @@ def test_a_cpu_backend_is_usable_only_for_the_calls_it_does_not_refuse(cpu_backe
     with pytest.raises(kernels.AttentionError, match="'cpu_test' cannot run this call: .*no sliding window") as e:
         kernels.attention(q, k, v, window=4, backend="cpu_test")
     assert e.value.refusal == "this test backend has no sliding window"
-    # auto: not measured on CPU, so passed over in favour of the reference
+    # auto: not measured on CPU, so passed over in favour of the next backend that takes the call
     kernels.attention(q, k, v)
-    assert cpu_backend == [None] and list(kernels.choices()["attention"]) == ["cpu_test", "reference"]
+    assert cpu_backend == [None] and kernels.choices()["attention"]["cpu_test"] == ["q(2, 8, 4, 16) window=None"]
+    assert len(kernels.choices()["attention"]) == 2, kernels.choices()  # and auto's choice, another backend
     # once a CPU measurement lets it into `auto`, auto takes it where it does not refuse
     b = A.BACKENDS["cpu_test"]
     monkeypatch.setitem(A.BACKENDS, "cpu_test", A.Backend(b.name, b.unavailable, b.refuses, b.run))
@@ -226,6 +255,110 @@ def test_kernel_backends_refuse_what_they_cannot_express(monkeypatch):
         with pytest.raises(kernels.ConvError, match="whole rows in time"):
             kernels.short_conv(put(jnp.ones((4, 8, 4)), "data", "model"), jnp.ones((4, 4)), backend="triton")
     assert ran == [1]
+
+
+# ---------------------------------------------------------------- blocked attention (plain JAX, runs on CPU)
+
+BLOCKED_CASES = {  # name: B, T, S, H, Hkv, D, causal, window, segments, softcap; blocks of 8 tokens
+    "causal, GQA, documents, T not a multiple of the block": (2, 21, 21, 4, 2, 8, True, None, True, 0.0),
+    "window 10 across blocks, G=3, softcap": (2, 21, 21, 6, 2, 8, True, 10, False, 3.0),  # offset 2: 1 pair
+    "window 1, MQA": (1, 16, 16, 4, 1, 8, True, 1, False, 0.0),
+    "non-causal window, documents, softcap": (2, 19, 19, 4, 2, 8, False, 5, True, 2.0),
+    "non-causal, S > T": (2, 12, 20, 4, 2, 8, False, None, False, 0.0),
+}
+
+
+@pytest.mark.parametrize("case", list(BLOCKED_CASES))
+def test_blocked_attention_matches_reference(case):
+    """Output, lse and the gradients of q, k, v (with a cotangent on out and on lse) against the reference's
+    dense masked path (the definition; tests/test_swa_hybrid.py checks its blockwise path against it)."""
+    B, T, S, H, Hkv, D, causal, window, segments, softcap = BLOCKED_CASES[case]
+    rng = np.random.default_rng(T + S + H)
+    q, k, v = rand(rng, B, T, H, D), rand(rng, B, S, Hkv, D), rand(rng, B, S, Hkv, D)
+    seg = jnp.asarray(np.sort(rng.integers(0, 3, (B, T)), axis=1), jnp.int32) if segments else None
+    ct, ct_lse = rand(rng, B, T, H, D), rand(rng, B, T, H)
+    kw = dict(segment_ids=seg, causal=causal, window=window, softcap=softcap, return_lse=True)
+
+    @jax.jit
+    def both(q, k, v):
+        outs = []
+        for f in (lambda q, k, v: BLOCKED.attention(q, k, v, block=8, **kw), lambda q, k, v: A._dense(q, k, v, **kw)):
+            (out, lse), vjp = jax.vjp(f, q, k, v)
+            outs.append((out, lse, *vjp((ct, ct_lse))))
+        return outs
+
+    got, want = both(q, k, v)
+    for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], got, want):
+        close(a, b, 1e-5, f"{case}: {name}")
+
+
+def test_blocked_plan_visits_every_visible_block_pair_and_no_hidden_one():
+    """The offsets `plan` lists hold every (query, key) pair the masks let through, and each holds one;
+    windows on either side of a multiple of the block (W = 10 reaches 2 blocks back by one pair)."""
+    block = 8
+    for causal in (True, False):
+        for window in (None, 1, 2, 7, 8, 9, 10, 16, 17, 40):
+            for T, S in ((45, 45), (45, 21), (21, 45)):
+                if T != S and (causal or window):  # causal needs T == S; blocked refuses such windows
+                    continue
+                t, s = np.arange(T)[:, None], np.arange(S)[None, :]
+                ok = np.ones((T, S), bool) & ((s <= t) if causal else True) & ((t - s < window) if window else True)
+                steps = BLOCKED.plan(-(-T // block), -(-S // block), block, causal, window)
+                pairs = {(i, i - d) for d, lo, hi in steps for i in range(lo, hi)}
+                visible = {(a // block, b // block) for a, b in zip(*np.nonzero(ok))}
+                assert pairs == visible, (causal, window, T, S, sorted(pairs ^ visible))
+                assert len({d for d, _, _ in steps}) == len(steps)
+
+
+def test_blocked_attention_cost_is_linear_in_T_for_a_window():
+    """Blocks outside the window are never computed: at a fixed window the forward's FLOPs double
+    when T doubles (the reference's dense path would quadruple); causal attention computes about half the
+    logits of the dense reference."""
+    H, D = 2, 16
+
+    def fl(T, f):  # XLA's count of the lowered program (no compilation)
+        q = jax.ShapeDtypeStruct((1, T, H, D), jnp.float32)
+        return jax.jit(f).lower(q, q, q).cost_analysis()["flops"]
+
+    blocked = lambda W: lambda q, k, v: BLOCKED.attention(q, k, v, window=W, block=32)  # noqa: E731
+    f1, f2 = fl(1024, blocked(64)), fl(2048, blocked(64))
+    assert 1.8 < f2 / f1 < 2.2, (f1, f2)
+    causal = fl(256, blocked(None)) / fl(256, lambda q, k, v: A._dense(q, k, v))
+    assert 0.45 < causal < 0.65, causal
+
+
+def test_blocked_attention_runs_per_device_under_a_mesh():
+    """kernels.attention(backend="blocked") with batch over `data`, heads over `model` (4 x 2): the values and
+    gradients of the unsharded reference, the output sharded like q."""
+    rng = np.random.default_rng(3)
+    B, T, H, Hkv, D = 4, 24, 4, 2, 8
+    q, k, v = rand(rng, B, T, H, D), rand(rng, B, T, Hkv, D), rand(rng, B, T, Hkv, D)
+    seg = jnp.asarray(np.sort(rng.integers(0, 2, (B, T)), axis=1), jnp.int32)
+
+    def loss(backend):
+        return lambda q, k, v, s: jnp.sum(kernels.attention(q, k, v, segment_ids=s, window=12, softcap=3.0,
+                                                            backend=backend) ** 2)
+
+    want = jax.jit(jax.value_and_grad(loss("reference"), (0, 1, 2)))(q, k, v, seg)
+    m = mesh42()
+    with jax.set_mesh(m):
+        heads = NamedSharding(m, P("data", None, "model", None))
+        args = [jax.device_put(x, heads) for x in (q, k, v)] + [jax.device_put(seg, NamedSharding(m, P("data", None)))]
+        out = jax.jit(lambda q, k, v, s: kernels.attention(q, k, v, segment_ids=s, window=12, softcap=3.0,
+                                                           backend="blocked"))(*args)
+        got = jax.jit(jax.value_and_grad(loss("blocked"), (0, 1, 2)))(*args)
+    assert out.sharding.spec == P("data", None, "model", None), out.sharding.spec
+    close(got[0], want[0], 1e-5, "loss")
+    for name, a, b in zip("qkv", got[1], want[1]):
+        assert a.sharding.spec == P("data", None, "model", None), (name, a.sharding.spec)
+        close(a, b, 1e-5, f"d{name}")
+
+
+def test_blocked_attention_refuses_what_it_cannot_express():
+    q = jnp.ones((1, 8, 2, 16))
+    kv = jnp.ones((1, 12, 2, 16))
+    with pytest.raises(kernels.AttentionError, match="'blocked' cannot run this call: .*can leave a query no key"):
+        kernels.attention(q, kv, kv, causal=False, window=2, backend="blocked")
 
 
 # ---------------------------------------------------------------- Pallas attention
@@ -464,6 +597,23 @@ def test_selfcheck_reports_every_backend_and_flags_a_wrong_one(monkeypatch):
     out = io.StringIO()
     assert selfcheck.run(quick=True, repeats=1, ops=("rms_norm",), out=out) == 1
     assert "wrong" in out.getvalue() and "over tolerance" in out.getvalue()
+
+
+def test_selfcheck_takes_an_attention_shape(capsys):
+    """--shape B,T,H,Hkv,D sets the attention cases' shape and --window their window case, with blocked
+    among the backends checked on CPU; bad values are refused by name."""
+    from shared.kernels import selfcheck
+
+    cases = [c for c in selfcheck._cases(True, False, (2, 24, 4, 2, 8), 6) if c[0] == "attention"]
+    assert [c[1] for c in cases] == ["causal B2 T24 H4/2 D8", "window 6 B2 T24 H4/2 D8",
+                                     "causal + documents B2 T24 H4/2 D8", "causal + softcap 30 B2 T24 H4/2 D8"]
+    assert [x.shape for x in cases[0][4]] == [(2, 24, 4, 8), (2, 24, 2, 8), (2, 24, 2, 8)]
+    assert {"blocked", "reference"} <= set(cases[0][2])
+    for bad, msg in ((["--shape", "1,2,3"], "five positive integers"), (["--shape", "1,8,3,2,8"], "not a multiple"),
+                     (["--window", "0"], "--window must be >= 1")):
+        with pytest.raises(SystemExit):
+            selfcheck.main(bad)
+        assert msg in capsys.readouterr().err
 
 
 def test_selfcheck_reports_a_refusal_and_does_not_count_it(monkeypatch):

@@ -127,9 +127,10 @@ def layer_backends():
 
 
 def _block_fn(cfg, kind, backend, dt):
-    """One block of `kind` with `backend` on that kind's layers (the other kind on the reference)."""
-    field = "local_attention_backend" if kind == "local" else "attention_backend"
-    cfg = dataclasses.replace(cfg, **{"compute_dtype": dt, "attention_backend": "reference", field: backend})
+    """One block of `kind` with `backend` on that kind's layers, the other kind on the reference (both fields
+    set: a global layer's backend need not run sliding windows)."""
+    local, glob = (backend, "reference") if kind == "local" else ("reference", backend)
+    cfg = dataclasses.replace(cfg, compute_dtype=dt, attention_backend=glob, local_attention_backend=local)
     params = model.init(cfg, jax.random.key(0))
     layer = jax.tree.map(lambda w: w[0], params["layers"])
     angles = lambda x: model.layer_angles(model.positions(x[..., 0], None), cfg)  # noqa: E731

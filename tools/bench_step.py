@@ -4,6 +4,7 @@
     python tools/bench_step.py                                   # dense, CPU default config
     python tools/bench_step.py --model.d_model 512 --model.head_dim 64 --model.d_ff 1536
     python tools/bench_step.py --variant swa_hybrid --no-reference   # step time and peak fraction only
+    python tools/bench_step.py --variant swa_hybrid --attention-backends blocked,reference
     python tools/bench_step.py --help
 
 Flags this tool does not know go to the variant's TrainConfig, exactly as for its train.py
@@ -22,6 +23,12 @@ What it does, in one process:
    measures a large fp32 matmul for the in-process peak. Prints medians, the per-round
    ratios A/B and A/A' (median, min, max), and the fraction of the best in-process matmul
    peak that A reaches (model FLOPs from the variant's `flops_per_token`, remat not counted).
+
+With `--attention-backends X,Y,...` the arms are instead the variant's step with each
+attention backend named on every attention layer (`attention_backend`, and
+`local_attention_backend` where the variant has one), plus a second compile of the first
+(the noise floor); each arm's tokens/s and its per-round ratio to the last arm are printed.
+This is how a change of `auto`'s choice is measured: the old choice against the new one.
 
 The machine is shared: quote the median ratios, with the A/A' spread as the noise floor.
 """
@@ -198,6 +205,12 @@ def setup(folder: str, flags: list[str]):
     return train, tc, train.make_mesh(tc, devices=jax.devices()[:1])
 
 
+def attention_backend(tc, name: str):
+    """tc with attention backend `name` on every attention layer (ValueError if the config refuses it)."""
+    local = {"local_attention_backend": name} if hasattr(tc.model, "local_attention_backend") else {}
+    return dataclasses.replace(tc, model=dataclasses.replace(tc.model, attention_backend=name, **local))
+
+
 def med(xs):
     return statistics.median(xs)
 
@@ -220,16 +233,24 @@ def main(argv=None):
     ap.add_argument("--no-reference", action="store_true",
                     help="skip the plain step (it is written for dense's math only): time the variant alone")
     ap.add_argument("--check-only", action="store_true", help="check the two steps agree, then stop")
+    ap.add_argument("--attention-backends", default="",
+                    help="comma-separated attention backends: time the variant's step with each (named on every "
+                         "attention layer) side by side, instead of against the plain step; ratios to the last")
     args, rest = ap.parse_known_args(argv)
     if args.rounds < 1 or args.steps_per_round < 1:
         ap.error("--rounds and --steps-per-round must be >= 1")
     folder = args.variant if "/" in args.variant else f"variants/{args.variant}"
     if not os.path.isfile(os.path.join(ROOT, folder, "train.py")):
         ap.error(f"no train.py in {folder}")
-    reference = not args.no_reference
+    backends = [b.strip() for b in args.attention_backends.split(",") if b.strip()]
+    reference = not args.no_reference and not backends
     if reference and folder != "variants/dense":
         ap.error(f"the plain step is written for variants/dense's math; for {folder} pass --no-reference")
     train, tc, mesh = setup(folder, rest)
+    try:
+        with_backend = {b: attention_backend(tc, b) for b in backends}
+    except ValueError as e:  # the config refuses a backend for this variant's layers
+        ap.error(str(e))
 
     batch = synthetic_batch(tc)
     with jax.set_mesh(mesh):
@@ -252,8 +273,15 @@ def main(argv=None):
             if args.check_only:
                 return 0
 
-        arms = {"A  variant step": (train.make_train_step(tc, opt, sched), accum),
-                "A' variant step, again": (train.make_train_step(tc, opt, sched), accum)}
+        if backends:
+            arms = {f"attention={b}": (train.make_train_step(with_backend[b], opt, sched), accum) for b in backends}
+            arms[f"attention={backends[0]}, again"] = (train.make_train_step(with_backend[backends[0]], opt, sched),
+                                                       accum)
+            a, a2 = f"attention={backends[0]}", f"attention={backends[0]}, again"
+        else:
+            arms = {"A  variant step": (train.make_train_step(tc, opt, sched), accum),
+                    "A' variant step, again": (train.make_train_step(tc, opt, sched), accum)}
+            a, a2 = "A  variant step", "A' variant step, again"
         if reference:
             arms["B  plain JAX step"] = (plain_step(tc, train.warmup(tc)), plain_batch)
         states = {name: plain_state(tc, train.warmup(tc), state0["params"]) if name.startswith("B")
@@ -275,9 +303,14 @@ def main(argv=None):
         for name in names:
             print(summary(name + " wall", wall[name]))
             print(summary(name + " cpu", cpu[name]))
-        a, a2 = "A  variant step", "A' variant step, again"
         print(f"\nA/A' (noise)   wall {ratios(wall[a], wall[a2])}")
         print(f"               cpu  {ratios(cpu[a], cpu[a2])}")
+        if backends:
+            last = f"attention={backends[-1]}"
+            for b in backends:
+                name = f"attention={b}"
+                print(f"{name:<28} {tokens / med(wall[name]):7.0f} tokens/s (median wall); / {last}: "
+                      f"wall {ratios(wall[name], wall[last])}; cpu {ratios(cpu[name], cpu[last])}")
         if reference:
             b = "B  plain JAX step"
             print(f"A/B            wall {ratios(wall[a], wall[b])}")

@@ -12,7 +12,7 @@ arrives without any variant file changing:
     from shared.kernels.kda import kda           # Kimi Delta Attention, chunked (imported on use)
     o, final_state = kda(q, k, v, g, beta, segment_ids=seg, chunk_size=64)
 
-Each entry point's module lists its backends (attention: cudnn, flash4, pallas, reference;
+Each entry point's module lists its backends (attention: cudnn, flash4, pallas, blocked, reference;
 cross_entropy and rms_norm: quack, reference; short_conv: triton, reference). `backend="auto"`
 takes the first that is available here, can express the call and has not been passed over;
 a backend named explicitly (argument, or STENCIL_KERNELS=op=name) runs or raises, never falls

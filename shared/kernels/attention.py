@@ -13,8 +13,8 @@ query's log-sum-exp over its visible keys of the scaled, soft-capped logits, i.e
 its softmax denominator. It is differentiable (d lse / d logit = the softmax weight), so a
 variant can build on it; e.g. learned attention sinks, a per-head logit s joining the
 denominator without a value: `out * jax.nn.sigmoid(lse - s)[..., None]`. A query with no
-visible key (possible only with causal=False, a window, and T > S + W - 1; pallas refuses
-such calls) gets lse = -1e30, the value masked logits take. Backends that cannot return a
+visible key (possible only with causal=False, a window, and T > S + W - 1; pallas and
+blocked refuse such calls) gets lse = -1e30, the value masked logits take. Backends that cannot return a
 correct, differentiable lse refuse `return_lse` by name (cudnn, flash4), so `auto` passes
 over them.
 
@@ -39,23 +39,32 @@ Backends, in the order `auto` tries them:
              CUDA; never compiled by Triton nor run on a GPU. Every mask the reference has
              (causal, window, segment ids, soft-capping, GQA) and `return_lse`; O(T * W)
              work for a window.
+  blocked    plain JAX, any platform (shared/kernels/blocked_attention.py): keys in blocks with
+             an online softmax and a FlashAttention-style custom VJP; the blocks that the causal
+             mask or a window hides entirely are never computed (O(T * W) for a window). Every
+             mask, soft-capping, GQA and `return_lse`; refuses a window without the causal mask
+             when T != S (as pallas). `auto` takes it on CPU only, by a rule of the call's shape
+             measured there (float32, causal, T >= 128, window >= 48: `blocked_attention.auto_skip`,
+             with the figures); the reference otherwise. UNVERIFIED ON GPU.
   reference  XLA einsums with an fp32 softmax. Always available; the ground truth.
              Causal calls with a window W < T take a blockwise path: queries in blocks of
              Bq = min(W, 512), each block against its own and the previous ceil((W-1)/Bq)
              key blocks, so time and memory grow as T * (W + Bq), not T^2. Every other
              call builds the full [T, S] masked logits.
 
-The kernel backends (flash4, pallas) take whole local arrays: under an explicit mesh they
-run per device through `jax.shard_map` over the batch (`data`) and head (`model`) axes;
+The kernel backends (flash4, pallas, blocked) take whole local arrays: under an explicit mesh
+they run per device through `jax.shard_map` over the batch (`data`) and head (`model`) axes;
 a sharded sequence or head_dim axis is refused.
 
 `backend="auto"` takes the first backend in BACKENDS that is available on this platform,
 can express the call and does not pass on it. Every choice, named or `auto`, is logged once
-and recorded (`kernels.choices()`). On CPU `auto` takes the reference: no other backend here
-runs on CPU (Pallas runs there only in interpret mode, called directly, never as a backend;
-dispatch.py says when a CPU-capable backend may enter `auto`). A backend named explicitly
-that is unavailable, or cannot express the masks asked for, raises AttentionError saying
-why; there is never a silent fallback. The order (cuDNN before FA4 before Pallas) is the
+and recorded (`kernels.choices()`). On CPU two backends run, blocked and the reference, and
+`auto` takes blocked where its rule says it was measured faster (above; a rule of the
+call's shape, so a resumed run makes the same choice), else the reference. Pallas runs on
+CPU only in interpret mode, called directly, never as a backend; dispatch.py says when a
+CPU-capable backend may enter `auto`. A backend named explicitly that is unavailable, or
+cannot express the masks asked for, raises AttentionError saying why; there is never a
+silent fallback. The order (cuDNN before FA4 before Pallas) is the
 expected speed on a GPU, unmeasured: `python -m shared.kernels.selfcheck` on a GPU measures it.
 """
 
@@ -369,12 +378,36 @@ def _pallas(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, 
     return _local(run, q, k, v, segment_ids, return_lse)
 
 
+# ---------------------------------------------------------------- blocked (plain JAX, any platform)
+
+def _blocked_refuses(c: Call):
+    if c.window is not None and not c.causal and c.q_shape[1] != c.kv_shape[1]:
+        return "blocked attention: a window without the causal mask and T != S can leave a query no key"
+    return None
+
+
+def _blocked_auto_skip(c: Call):
+    from shared.kernels import blocked_attention
+    return blocked_attention.auto_skip(c)
+
+
+def _blocked(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, softcap=0.0, return_lse=False,
+             block=None):
+    from shared.kernels import blocked_attention
+
+    def run(q, k, v, seg):
+        return blocked_attention.attention(q, k, v, segment_ids=seg, causal=causal, window=window, scale=scale,
+                                           softcap=softcap, return_lse=return_lse, block=block)
+    return _local(run, q, k, v, segment_ids, return_lse)
+
+
 # ---------------------------------------------------------------- dispatch
 
 BACKENDS: dict[str, Backend] = {
     "cudnn": Backend("cudnn", _cudnn_unavailable, _cudnn_refuses, _cudnn, _cudnn_auto_skip),
     "flash4": Backend("flash4", _flash4_unavailable, _flash4_refuses, _flash4, _flash4_auto_skip),
     "pallas": Backend("pallas", _pallas_unavailable, _pallas_refuses, _pallas),
+    "blocked": Backend("blocked", lambda: None, _blocked_refuses, _blocked, _blocked_auto_skip),
     "reference": Backend("reference", lambda: None, lambda c: None, reference),
 }
 

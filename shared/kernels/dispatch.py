@@ -25,11 +25,15 @@ on the platform the fast backends were written for (NVIDIA GPUs: cuDNN, FlashAtt
 Pallas, by expected speed); on any other platform a backend enters `auto` only after a
 benchmark on that platform shows it beats the backends after it, with the figure written in
 its docstring. Until then its `auto_skip` says so (`not_measured_here(*platforms it was
-measured on)`): it runs when named, and `auto` passes over it. Today no backend but the
-reference can run on CPU, so on CPU `auto` takes the reference for every op. Pallas kernels
-do run on CPU in Pallas interpret mode, but only when called directly with `interpret=True`
-(the tests and `selfcheck`): the interpreter checks numerics and is far slower than XLA, so
-it is never a backend and never in `auto`.
+measured on)`): it runs when named, and `auto` passes over it. Once measured, its `auto_skip`
+is a rule of the call alone (shapes, dtype, masks: the shape classes where it was measured to
+pay), never a timing taken while the program runs: two runs of one config, and a run and its
+resumption, must pick the same backend. On CPU today: attention has two backends that run
+there, `blocked` (plain JAX; `auto` takes it where its rule says it pays, see
+shared/kernels/blocked_attention.py) and the reference; every other op has the reference
+alone. Pallas kernels do run on CPU in Pallas interpret mode, but only when called directly
+with `interpret=True` (the tests and `selfcheck`): the interpreter checks numerics and is far
+slower than XLA, so it is never a backend and never in `auto`.
 
 `STENCIL_KERNELS` (environment) names backends per op for the whole process, in place of
 "auto": `STENCIL_KERNELS=attention=pallas,rms_norm=quack`. A backend a config names

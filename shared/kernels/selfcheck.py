@@ -2,6 +2,7 @@
 
     python -m shared.kernels.selfcheck            # realistic shapes (meant for a GPU)
     python -m shared.kernels.selfcheck --quick    # small shapes, seconds (CPU, or a smoke test)
+    python -m shared.kernels.selfcheck --ops attention --shape 16,256,4,2,32 --window 64   # one shape
 
 For each op and case, every backend `kernels.available_backends(op)` lists (and, for the
 chunked KDA kernel, each `impl`) runs forward and backward under `jax.jit`. It prints the
@@ -12,13 +13,18 @@ are counted as computed (attention: the causal or windowed pairs; KDA: its chunk
 matmuls; cross-entropy: the unembedding matmul). Memory-bound ops (RMSNorm, the short
 convolution) report GB/s of their inputs and outputs instead.
 
+`--shape B,T,H,Hkv,D` sets the attention cases' shape (batch, tokens, query heads, kv heads,
+head_dim) and `--window W` their window case (default T // 4), e.g. a variant's own: the
+time column then compares the backends at that shape (tools/bench_attention.py times two
+of them side by side with the spread over interleaved rounds).
+
 A backend that refuses a case (e.g. cuDNN has no soft-capping, FlashAttention-4 no segment
 ids) is listed as `refused` with its reason: that is the backend declining a call it cannot
 compute, which `auto` passes over, not a failure. On a machine without a GPU the Pallas
 kernels run in interpret mode (correctness only: their times mean nothing) and everything
-else is whatever backends run on CPU (today the reference alone). The exit status is 1 if
-any backend that ran misses its tolerance (1e-4 in fp32, 3e-2 in bf16) or crashes, else 0;
-refusals never change it.
+else is whatever backends run on CPU (today blocked attention and the reference). The exit
+status is 1 if any backend that ran misses its tolerance (1e-4 in fp32, 3e-2 in bf16) or
+crashes, else 0; refusals never change it.
 """
 
 from __future__ import annotations
@@ -64,17 +70,17 @@ def _fwd_bwd(fn, n_diff):
     return jax.jit(jax.value_and_grad(loss, tuple(range(n_diff))))
 
 
-def _cases(quick: bool, gpu: bool):
+def _cases(quick: bool, gpu: bool, shape=None, window=None):
     dt = jnp.bfloat16 if gpu else jnp.float32
     rng = np.random.default_rng(0)
 
     def rand(*shape, dtype=dt, scale=1.0):
         return jnp.asarray(scale * rng.standard_normal(shape), dtype)
 
-    B, T, H, Hkv, D = (1, 256, 4, 2, 64) if quick else (4, 4096, 32, 8, 128)
+    B, T, H, Hkv, D = shape or ((1, 256, 4, 2, 64) if quick else (4, 4096, 32, 8, 128))
     q, k, v = rand(B, T, H, D), rand(B, T, Hkv, D), rand(B, T, Hkv, D)
-    seg = jnp.asarray(np.repeat(np.arange(4), T // 4)[None].repeat(B, 0), jnp.int32)
-    W = T // 4
+    seg = jnp.asarray((np.arange(T) * 4 // T)[None].repeat(B, 0), jnp.int32)  # 4 documents a row
+    W = window or max(1, T // 4)
     for name, kw in (("causal", {}), (f"window {W}", {"window": W}), ("causal + documents", {"segment_ids": seg}),
                      ("causal + softcap 30", {"softcap": 30.0})):
         fl = flops.attention_flops_per_token(T, H, D, window=kw.get("window")) * B * T
@@ -130,7 +136,19 @@ def _cases(quick: bool, gpu: bool):
 OPS = ("attention", "kda", "rms_norm", "short_conv", "cross_entropy")
 
 
-def run(quick: bool = False, repeats: int = 3, ops=OPS, out=sys.stdout) -> int:
+def parse_shape(text: str) -> tuple[int, int, int, int, int]:
+    """"B,T,H,Hkv,D" -> five positive ints with H a multiple of Hkv; ValueError saying what is wrong."""
+    parts = text.split(",")
+    if len(parts) != 5 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--shape must be five positive integers B,T,H,Hkv,D, got {text!r}")
+    B, T, H, Hkv, D = (int(p) for p in parts)
+    if H % Hkv:
+        raise ValueError(f"--shape: H={H} is not a multiple of Hkv={Hkv}")
+    return B, T, H, Hkv, D
+
+
+def run(quick: bool = False, repeats: int = 3, ops=OPS, out=sys.stdout, shape=None, window=None) -> int:
+    """Check and time every backend; `shape` (B, T, H, Hkv, D) and `window` set the attention cases'."""
     gpu = jax.default_backend() == "gpu"
     dtype = "bfloat16" if gpu else "float32"
     peak, src = flops.device_peak(dtype)
@@ -140,7 +158,7 @@ def run(quick: bool = False, repeats: int = 3, ops=OPS, out=sys.stdout) -> int:
     failed, refused = [], []
     header = f"{'op':<13} {'case':<38} {'backend':<19} {'out err':>8} {'grad err':>8} {'ms':>9} {'rate':>15}"
     print(header, file=out)
-    for op, case, impls, ref, args, n_diff, ct, fl, nbytes in _cases(quick, gpu):
+    for op, case, impls, ref, args, n_diff, ct, fl, nbytes in _cases(quick, gpu, shape, window):
         if op not in ops:
             continue
         n = min(n_diff, len(args))
@@ -185,12 +203,23 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small shapes (seconds)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
+    ap.add_argument("--shape", default=None, help="B,T,H,Hkv,D of the attention cases, e.g. 32,128,4,2,32 "
+                                                      "(default 1,256,4,2,64 with --quick, else 4,4096,32,8,128)")
+    ap.add_argument("--window", type=int, default=None, help="the attention window case's W (default T // 4)")
     a = ap.parse_args(argv)
     ops = tuple(a.ops.split(","))
     unknown = set(ops) - set(OPS)
     if unknown:
         ap.error(f"unknown ops {sorted(unknown)}; known: {', '.join(OPS)}")
-    return run(quick=a.quick, repeats=a.repeats, ops=ops)
+    shape = None
+    if a.shape is not None:
+        try:
+            shape = parse_shape(a.shape)
+        except ValueError as e:
+            ap.error(str(e))
+    if a.window is not None and a.window < 1:
+        ap.error(f"--window must be >= 1, got {a.window}")
+    return run(quick=a.quick, repeats=a.repeats, ops=ops, shape=shape, window=a.window)
 
 
 if __name__ == "__main__":
