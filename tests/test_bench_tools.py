@@ -64,6 +64,7 @@ def test_bench_attention_checks_then_times_backends_side_by_side(capsys, monkeyp
         assert msg in capsys.readouterr().err
 
 
+@pytest.mark.integration  # a long run: real train steps of a variant timed with two backends
 def test_bench_step_times_two_attention_backends_side_by_side(capsys):
     """--attention-backends: the variant's step with each backend on every attention layer, plus the noise
     arm, each with its tokens/s and ratio to the last; a backend the config refuses is named."""
