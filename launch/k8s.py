@@ -11,7 +11,7 @@ name, STENCIL_NUM_PROCESSES = N (see shared/distributed.py; no Kubernetes API ac
 run directory should be on a shared volume (add it to the pod spec). --kind jobset needs the
 JobSet controller. Not applied to a real cluster here.
 
-Preemption and restarts (launch/README.md): Kubernetes sends SIGTERM to a pod it stops, then
+Preemption and restarts (docs/launching.md): Kubernetes sends SIGTERM to a pod it stops, then
 SIGKILL after terminationGracePeriodSeconds (--grace-period); train.py finishes its step, saves
 a checkpoint and exits 75. The Job's podFailurePolicy replaces a pod that exits 75 (or that
 Kubernetes disrupted) without counting it, replaces one that exits 70 (hang watchdog) up to

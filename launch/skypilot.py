@@ -10,7 +10,7 @@ node with SKYPILOT_NODE_RANK, SKYPILOT_NUM_NODES and SKYPILOT_NODE_IPS set; the 
 maps them to STENCIL_COORDINATOR (first node's IP), STENCIL_NUM_PROCESSES and
 STENCIL_PROCESS_ID (see shared/distributed.py). Not run on a real cloud here: UNVERIFIED.
 
-Preemption and recovery (launch/README.md), as in slurm.py and k8s.py: the run script adds
+Preemption and recovery (docs/launching.md), as in slurm.py and k8s.py: the run script adds
 --resume true exactly when <run_dir>/checkpoints holds a checkpoint and then `exec`s python (so
 python, not bash, gets the SIGTERM of a stopping VM; train.py saves and exits 75). A managed job
 (`sky jobs launch`) is recovered on a new cluster when its VMs are preempted, and when train.py

@@ -11,7 +11,7 @@ node sees all of its GPUs through JAX_LOCAL_DEVICE_IDS (or, with --tasks-per-nod
 generic SLURM site. tests/test_slurm.py runs it on a real single-node SLURM (CPU: 2 tasks x 4
 devices, a preemption with requeue and resume, a task killed); the GPU lines are UNVERIFIED.
 
-Preemption and requeue (launch/README.md): `#SBATCH --signal=USR1@<--signal-lead>` makes SLURM
+Preemption and requeue (docs/launching.md): `#SBATCH --signal=USR1@<--signal-lead>` makes SLURM
 send SIGUSR1 to every task that long before the time limit; train.py finishes its step, saves
 a checkpoint and exits 75. On 75, or 70 (its hang watchdog fired), the script requeues the job
 (`scontrol requeue`: same job id, so the same run directory) unless it has already been
@@ -59,7 +59,7 @@ def script(args: argparse.Namespace) -> str:
     lines += [
         "export STENCIL_INIT_TIMEOUT=${STENCIL_INIT_TIMEOUT:-600}",
         "",
-        f"# Preemption (launch/README.md): SIGUSR1 reaches every task {args.signal_lead} s before the time limit;",
+        f"# Preemption (docs/launching.md): SIGUSR1 reaches every task {args.signal_lead} s before the time limit;",
         f"# train.py saves a checkpoint and exits {EXIT_PREEMPTED}. On {EXIT_PREEMPTED}, or {EXIT_HUNG} (its hang "
         "watchdog fired), the job",
         "# requeues itself (same job id, same RUN_DIR) at most MAX_REQUEUES times and resumes from the newest",
@@ -72,7 +72,7 @@ def script(args: argparse.Namespace) -> str:
         "",
         # not --kill-on-bad-exit: the first task to exit 75 would get the others killed by a signal while
         # they shut down, and srun reports a signal (128+n) over any exit code. A crashed task's peers are
-        # stopped by JAX's coordination service instead (heartbeats, launch/README.md).
+        # stopped by JAX's coordination service instead (heartbeats, docs/launching.md).
         "rc=0",
         f'srun --kill-on-bad-exit=0 {shell(cmd)} ${{RESUME[@]+"${{RESUME[@]}}"}} || rc=$?',
         'case "$rc" in',

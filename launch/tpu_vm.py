@@ -8,7 +8,7 @@ from the TPU metadata server. The repository must already be at --workdir on eve
 (e.g. `gcloud compute tpus tpu-vm scp --recurse . NAME:~/stencil --worker=all`, then
 `pip install -e .` and `pip install 'jax[tpu]'`). Not run on a real TPU here: UNVERIFIED.
 
-Preemption (launch/README.md), as in slurm.py: nothing requeues a TPU VM, so the line is made to be
+Preemption (docs/launching.md), as in slurm.py: nothing requeues a TPU VM, so the line is made to be
 run again. It adds --resume true exactly when <run_dir>/checkpoints holds a checkpoint, and `exec`s
 python, so that python gets the SIGTERM of a VM that stops (a Spot / preemptible TPU gets about
 30 s: train.py finishes its step, saves and exits 75, which the line reports; frequent --save_every

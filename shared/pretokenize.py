@@ -13,7 +13,7 @@ beforehand: a shard is tokenized in one worker's memory).
 Resumable: a shard is complete once its marker (shards/NNNNN.json) is written, after its data; a
 killed run rerun with the same command redoes only the shards without a marker, so no document is
 lost or written twice. `--shard i/n` takes the inputs whose index is i modulo n, so n hosts (a SLURM
-array, a Kubernetes indexed job: launch/README.md) tokenize one corpus together; whichever finishes
+array, a Kubernetes indexed job: docs/launching.md) tokenize one corpus together; whichever finishes
 the last shard writes manifest.json (rerun any one of them to write it if they all stopped early).
 The output may be a local folder or a `file://`, `gs://` or `s3://` URL (tensorstore kvstore;
 object stores UNVERIFIED: tested on file:// only).

@@ -1,18 +1,138 @@
-"""The commands the docs send people to answer `--help`: every tool, launcher, `python -m shared...`
-command and variant script with a `__main__` (each folder's train.py is checked in-process by the
-contract's test_help_lists_every_field)."""
+"""The docs cannot go stale: every path, module, command, tool and flag that README.md, AGENTS.md, docs/,
+skills/ and the variants' READMEs name exists, every command answers --help, the maps name every
+module, nothing removed is still described, and CI's time limits are the ones docs/testing.md states.
 
+Each check parses the Markdown plainly: inline code spans, fenced code blocks (a backslash joins a
+command's lines) and link targets. A placeholder (`<name>`, `RUN`, a glob) is never checked as a path."""
+
+import functools
 import glob
+import importlib.util
 import os
+import re
 import subprocess
 import sys
 
-from shared.variant import ROOT
+import pytest
+
+from shared.variant import ROOT, discover, load
+
+DOCS = sorted({os.path.relpath(p, ROOT) for pattern in ("README.md", "AGENTS.md", "docs/**/*.md", "skills/**/*.md",
+                                                         "variants/*/README.md", "templates/*/README.md")
+               for p in glob.glob(os.path.join(ROOT, pattern), recursive=True)})
+TOP = ("shared/", "tools/", "tests/", "variants/", "templates/", "launch/", "skills/", "docs/", ".ci/", ".github/")
+TOP_FILES = ("README.md", "AGENTS.md", "pyproject.toml")
 
 
-def commands() -> list[list[str]]:
-    """argv (after the interpreter) of every runnable file: `-m shared.x` for a module of shared/, the
-    path for a script. A file runs as a command when it has a `__main__` block."""
+def text(doc: str) -> str:
+    with open(os.path.join(ROOT, doc)) as f:
+        return f.read()
+
+
+def spans(doc: str) -> list[str]:
+    """Inline code spans and the lines of fenced code blocks (continuation lines joined)."""
+    t = text(doc)
+    out = []
+    for block in re.findall(r"```[^\n]*\n(.*?)```", t, re.S):
+        out += [line for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+    out += re.findall(r"(?<!`)`([^`\n]+)`(?!`)", re.sub(r"```.*?```", "", t, flags=re.S))
+    return out
+
+
+def commands(doc: str) -> list[list[str]]:
+    """`python ...` command lines named in a doc, as argv lists (comments dropped)."""
+    out = []
+    for s in spans(doc):
+        s = s.split("  #")[0].split(" # ")[0]
+        for part in re.split(r"&&|;|\|", s):
+            words = part.split()
+            while words and re.match(r"^[A-Z_]+=", words[0]):  # XLA_FLAGS=... python ...
+                words = words[1:]
+            if len(words) > 1 and words[0] in ("python", "python3"):
+                out.append(words[1:])
+    return out
+
+
+EXAMPLES = ("variants/my_idea", "variants/x", "variants/y")  # folders the docs make as examples (cp -r ...)
+
+
+def is_path(token: str) -> bool:
+    return (token.startswith(TOP) or token in TOP_FILES) and not re.search(r"[<>*{}$|\\]|\.\.\.|\[", token) \
+        and not token.startswith(EXAMPLES)
+
+
+# ---------------------------------------------------------------- paths and modules
+
+def defined(token: str) -> bool:
+    """`shared/errors.StencilError`: a name defined at the top of a module (class, def or assignment)."""
+    m = re.match(r"^(.+)\.(\w+)$", token)
+    path = m and os.path.join(ROOT, m.group(1) + ".py")
+    return bool(path and os.path.isfile(path) and re.search(rf"^(class|def) {m.group(2)}\b|^{m.group(2)}\s*[:=]",
+                                                           open(path).read(), re.M))
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_named_paths_exist(doc):
+    """Paths in code spans (`shared/run.py`, `tools/compare_runs.py`) from the repository root, and link
+    targets from the doc's own folder."""
+    missing = []
+    for s in spans(doc):
+        for token in re.split(r"[\s,()`'\"]+", s):
+            token = re.sub(r"('s|[.:;]+)$", "", token).split("#")[0]
+            if is_path(token) and not os.path.exists(os.path.join(ROOT, token)) and not defined(token):
+                missing.append(token)
+    for target in re.findall(r"\]\(([^)\s]+)\)", text(doc)):
+        path = target.split("#")[0]
+        if path and not re.match(r"^[a-z]+://|^mailto:", path) and \
+                not os.path.exists(os.path.join(ROOT, os.path.dirname(doc), path)):
+            missing.append(f"link {target}")
+    assert not missing, f"{doc} names what does not exist: {sorted(set(missing))}"
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_python_m_modules_exist(doc):
+    bad = [c[1] for c in commands(doc) if c[0] == "-m" and len(c) > 1 and c[1] != "pytest"
+           and importlib.util.find_spec(c[1]) is None]
+    assert not bad, f"{doc}: python -m {bad}: no such module"
+
+
+# ---------------------------------------------------------------- flags
+
+def folder_of(script: str) -> str | None:
+    """The folder whose train.py a command runs (placeholders like variants/<name> mean the template)."""
+    if not script.endswith("/train.py"):
+        return None
+    folder = script[: -len("/train.py")]
+    return folder if folder in discover() else "templates/base"
+
+
+@functools.lru_cache(maxsize=None)
+def config_flags(folder: str) -> set[str]:
+    import dataclasses
+    import typing
+
+    def walk(cls, prefix=""):
+        for name, tp in typing.get_type_hints(cls).items():
+            yield prefix + name
+            if dataclasses.is_dataclass(tp):
+                yield from walk(tp, f"{prefix}{name}.")
+    return set(walk(load(os.path.join(ROOT, folder, "train.py")).TrainConfig)) | {"help", "preset", "config_path"}
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_train_flags_are_fields_of_the_named_config(doc):
+    """`python variants/kda/train.py --model.chunk_size 32`: every --flag is a field of that folder's config."""
+    bad = []
+    for c in commands(doc):
+        folder = folder_of(c[0])
+        if folder:
+            bad += [f"{c[0]} {w}" for w in c[1:] if w.startswith("--") and w[2:].split("=")[0] not in config_flags(folder)]
+    assert not bad, f"{doc}: flags that are not fields of the folder's TrainConfig: {bad}"
+
+
+def runnable() -> list[list[str]]:
+    """argv (after the interpreter) of every runnable file: `-m shared.x` for a module of shared/, the path
+    for a script. A file runs as a command when it has a `__main__` block."""
     out = []
     for path in sorted(glob.glob(os.path.join(ROOT, "**", "*.py"), recursive=True)):
         rel = os.path.relpath(path, ROOT)
@@ -25,16 +145,89 @@ def commands() -> list[list[str]]:
     return out
 
 
-def test_every_command_answers_help():
-    """All at once (each is its own process), so the whole check costs about the slowest import."""
-    cmds = commands()
-    assert any("tools/variant_diff.py" in c for c in cmds) and any("shared.pretokenize" in c for c in cmds), cmds
+@pytest.fixture(scope="module")
+def helps() -> dict[str, tuple[int, str]]:
+    """{command: (exit status, --help output)} of every runnable file, all started at once (each its own
+    process), so the whole check costs about the slowest import."""
     env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
-    procs = [(c, subprocess.Popen([sys.executable, *c, "--help"], cwd=ROOT, env=env, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)) for c in cmds]
-    failed = []
-    for c, p in procs:
-        out, err = p.communicate(timeout=300)
-        if p.returncode != 0 or "usage" not in (out + err).lower() or "Traceback" in err:
-            failed.append(f"{' '.join(c)} --help: exit {p.returncode}\n{(out + err)[-600:]}")
+    procs = {" ".join(c): subprocess.Popen([sys.executable, *c, "--help"], cwd=ROOT, env=env, text=True,
+                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for c in runnable()}
+    return {k: (p.wait(timeout=300), p.stdout.read()) for k, p in procs.items()}
+
+
+def test_every_command_answers_help(helps):
+    """Every tool, launcher, `python -m shared...` command and variant script (each folder's train.py is
+    checked in-process by the contract's test_help_lists_every_field)."""
+    assert "tools/variant_diff.py" in helps and "-m shared.pretokenize" in helps, sorted(helps)
+    failed = [f"{k} --help: exit {rc}\n{out[-600:]}" for k, (rc, out) in helps.items()
+              if rc != 0 or "usage" not in out.lower() or "Traceback" in out]
     assert not failed, "\n\n".join(failed)
+
+
+@functools.lru_cache(maxsize=None)
+def sub_help(argv: tuple) -> str:
+    """--help of a subcommand (`hf.py export --help`)."""
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, *argv, "--help"], cwd=ROOT, env=env, text=True, capture_output=True,
+                          timeout=300).stdout
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_tool_flags_are_in_the_tools_help(doc, helps):
+    """`python tools/bench_step.py --rounds 7`: every --flag appears in that command's --help (its
+    subcommand's, for `python variants/dense/hf.py export --run_dir R`)."""
+    bad = []
+    for c in commands(doc):
+        n = 2 if c[0] == "-m" else 1
+        key = " ".join(c[:n])
+        if key not in helps:
+            continue
+        usage = helps[key][1]
+        subs = set(sum((g.split(",") for g in re.findall(r"\{([\w,-]+)\}", usage)), []))
+        if len(c) > n and c[n] in subs:
+            usage = sub_help(tuple(c[:n + 1]))
+        own, passed = (c[n:c.index("--")], c[c.index("--") + 1:]) if "--" in c else (c[n:], [])
+        variant = own[own.index("--variant") + 1] if "--variant" in own[:-1] else "dense"
+        train = config_flags(folder_of(f"variants/{variant}/train.py"))
+        forwards = "go to the variant's TrainConfig" in usage  # tools/bench_step.py
+        bad += [f"{key} {w}" for w in own if w.startswith("--") and w.split("=")[0] not in usage
+                and not (forwards and w[2:].split("=")[0] in train)]
+        bad += [f"{key} -- {w}" for w in passed if w.startswith("--") and w[2:].split("=")[0] not in train]
+    assert not bad, f"{doc}: flags the command does not take: {bad}"
+
+
+# ---------------------------------------------------------------- maps, removed things, CI limits
+
+def test_the_maps_name_every_module_and_tool():
+    """AGENTS.md's map names every module of shared/ and every tool; a new one is added to it."""
+    agents = text("AGENTS.md")
+    modules = [os.path.relpath(p, os.path.join(ROOT, "shared")) for p in glob.glob(os.path.join(ROOT, "shared", "*.py"))]
+    missing = [m for m in modules if m != "__init__.py" and f"`{m}`" not in agents]
+    missing += [f"tools/{os.path.basename(p)}" for p in glob.glob(os.path.join(ROOT, "tools", "*.py"))
+                if f"tools/{os.path.basename(p)}" not in agents]
+    assert not missing, f"AGENTS.md's map does not name {sorted(missing)}"
+
+
+# What was removed from the code and must not be described any more, with what replaced it.
+REMOVED = {
+    "weight-decay mask": "weight decay follows each weight's declared role (shared/optim.py DECAY_ROLES)",
+    "whose name contains `norm`": "init and the optimizer follow declared roles (shared/weights.py)",
+    "skips names with `norm`": "weight decay follows declared roles, never a weight's name",
+}
+
+
+def test_nothing_removed_is_still_described():
+    files = DOCS + [os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "**", "*.py"), recursive=True)
+                    if not p.startswith(os.path.join(ROOT, ".venv")) and not p.endswith("test_docs.py")]
+    stale = [f"{f}: {phrase!r} ({now})" for f in files for phrase, now in REMOVED.items() if phrase in text(f)]
+    assert not stale, "\n".join(stale)
+
+
+def test_ci_time_limits_are_the_ones_the_docs_state():
+    """docs/testing.md states each CI job's limit; .github/workflows/ci.yml sets them; pyproject.toml
+    states none of its own."""
+    stated = dict(re.findall(r"CI job `([\w-]+)`: (\d+) minutes", text("docs/testing.md")))
+    ci = text(".github/workflows/ci.yml")
+    jobs = dict(re.findall(r"\n  ([\w-]+):\n(?:    [^\n]*\n)*?    timeout-minutes: (\d+)", ci))
+    assert stated and stated == {k: v for k, v in jobs.items() if k in stated}, (stated, jobs)
+    assert not re.search(r"\d+ min", text("pyproject.toml")), "pyproject.toml states a time: say it in docs/testing.md"

@@ -20,6 +20,8 @@ from decode_check import decode_against_forward
 from shared.kernels import kda as K
 from shared.variant import ROOT, load
 
+LONG = pytest.mark.integration  # a slow case of a parametrized check (the other cases stay in the fast tier)
+
 model = load(os.path.join(ROOT, "variants", "kda", "model.py"))
 
 
@@ -42,8 +44,10 @@ def close(a, b, tol, what):
 
 # ---------------------------------------------------------------- chunked == recurrent
 
-@pytest.mark.parametrize("T,chunk", [(64, 16), (45, 16), (70, 32), (5, 16)])
-@pytest.mark.parametrize("with_state", [False, True])
+# two cases in the fast tier (a partial last chunk with a state; two chunks of 32 without); the rest integration
+@pytest.mark.parametrize("T,chunk,with_state", [(45, 16, True), (70, 32, False)] + [
+    pytest.param(T, c, s, marks=LONG) for T, c, s in ((64, 16, False), (64, 16, True), (45, 16, False), (70, 32, True),
+                                                       (5, 16, False), (5, 16, True))])
 def test_chunked_matches_recurrent(T, chunk, with_state):
     """Outputs, final state and the gradients of every input, at lengths that are and are not
     multiples of the chunk size, with and without an initial state."""

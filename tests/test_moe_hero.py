@@ -26,6 +26,8 @@ from decode_check import decode_against_forward
 from shared import data, flops
 from shared.variant import ROOT, load
 
+LONG = pytest.mark.integration  # a slow case of a parametrized check (the other cases stay in the fast tier)
+
 train = load(os.path.join(ROOT, "variants", "moe_hero", "train.py"))
 model = train.model
 AXES = ("data", "expert", "model")
@@ -97,8 +99,10 @@ def single_device():
     return loss_and_grads(*ep_case("dense")[0:1], (1, 1, 1), *ep_case("dense")[1:])
 
 
-@pytest.mark.parametrize("shape,a2a", [((2, 2, 2), "dense"), ((2, 4, 1), "ragged"), ((1, 8, 1), "dense"),
-                                       ((1, 8, 1), "ragged")], ids=["ep2-dense", "ep4-ragged", "ep8-dense", "ep8-ragged"])
+@pytest.mark.parametrize("shape,a2a", [pytest.param((2, 2, 2), "dense", marks=LONG), ((2, 4, 1), "ragged"),
+                                       pytest.param((1, 8, 1), "dense", marks=LONG),
+                                       pytest.param((1, 8, 1), "ragged", marks=LONG)],  # 20-30 s each: integration
+                         ids=["ep2-dense", "ep4-ragged", "ep8-dense", "ep8-ragged"])
 def test_expert_parallel_equals_single_device(shape, a2a, ragged_on_cpu):
     cfg, params, batch = ep_case(a2a)
     loss1, g1, m1 = single_device()
@@ -236,7 +240,8 @@ def moe_ffn_grads(cfg, shape, layer, h, ct):
             "load": np.asarray(stats["load"])}
 
 
-@pytest.mark.parametrize("shape,a2a", [((1, 1, 1), "dense"), ((2, 2, 2), "dense"), ((1, 4, 1), "ragged")],
+@pytest.mark.parametrize("shape,a2a", [((1, 1, 1), "dense"), pytest.param((2, 2, 2), "dense", marks=LONG),
+                                       pytest.param((1, 4, 1), "ragged", marks=LONG)],  # 10-16 s each: integration
                          ids=["ep1", "ep2-tp2-dense", "ep4-ragged"])
 def test_tiled_equals_ragged_in_moe_ffn(shape, a2a, ragged_on_cpu, monkeypatch):
     """The routed experts with expert_matmul tiled and ragged, with expert parallelism: the same output

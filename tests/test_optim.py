@@ -11,6 +11,8 @@ from jax.sharding import PartitionSpec as P
 from shared import optim
 from shared.weights import Weight, init_params, normal, ones, zeros
 
+LONG = pytest.mark.integration  # a slow case of a parametrized check (the other cases stay in the fast tier)
+
 L, E, D, F, V = 4, 4, 16, 24, 32
 
 
@@ -140,7 +142,10 @@ def test_orthogonalize_moves_fan_axes():
 
 # ---------------------------------------------------------------- optimizers
 
-@pytest.mark.parametrize("name,expert", [(n, True) for n in optim.OPTIMIZERS] + [("muon", False), ("adamh", False)])
+# adamw and muonh (expert axis) in the fast tier; the other cases, 20-50 s each on 2 cores, in the integration tier
+@pytest.mark.parametrize("name,expert", [(n, True) if n in ("adamw", "muonh") else pytest.param(n, True, marks=LONG)
+                                         for n in optim.OPTIMIZERS]
+                         + [pytest.param("muon", False, marks=LONG), pytest.param("adamh", False, marks=LONG)])
 def test_sharded_equals_one_device(name, expert):
     """Three steps on data x expert x model = 2x2x2 (with experts: every optimizer) and on data x model =
     4x2 (dense: Newton-Schulz and the Adam hyperball) equal the same steps on one device, to fp32

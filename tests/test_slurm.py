@@ -10,7 +10,7 @@
 - a task killed with SIGKILL fails the job in bounded time, srun naming the task.
 
 Skipped, with the reason, where SLURM cannot start: not root (slurmd and munged run as root here),
-or slurm-wlm / munge not installed (`.ci/run` installs them with apt-get). launch/README.md shows
+or slurm-wlm / munge not installed (`.ci/run` installs them with apt-get). docs/launching.md shows
 how to bring the same SLURM up by hand."""
 
 import os

@@ -22,6 +22,8 @@ from decode_check import decode_against_forward
 from shared import flops, kernels
 from shared.variant import ROOT, load
 
+LONG = pytest.mark.integration  # a slow case of a parametrized check (the other cases stay in the fast tier)
+
 A = importlib.import_module("shared.kernels.attention")  # the module, not the function
 model = load(os.path.join(ROOT, "variants", "swa_hybrid", "model.py"))
 
@@ -284,7 +286,8 @@ OPTIONS = [dict(local_rope_theta=100.0, global_rope_theta=1e6),
            dict(qk_norm=False, head_gate=False, global_rope="none", attn_softcap=5.0)]
 
 
-@pytest.mark.parametrize("over", OPTIONS, ids=["two-thetas", "nope-softcap-plain"])
+@pytest.mark.parametrize("over", [pytest.param(OPTIONS[0], marks=LONG), OPTIONS[1]],  # two-thetas: integration tier
+                         ids=["two-thetas", "nope-softcap-plain"])
 def test_scanned_layers_match_an_unrolled_loop(over):
     """The per-layer pattern fed as scan data picks the same attention as Python flags per layer."""
     cfg = small(n_layers=3, global_every=2, remat="none", **over)  # local, global, global (the last)
@@ -306,6 +309,7 @@ def test_scanned_layers_match_an_unrolled_loop(over):
     assert not np.allclose(got, other, atol=1e-4), "the layer pattern makes no difference"
 
 
+@LONG  # about 20 s on 2 cores: the integration tier
 def test_remat_policies_agree_on_loss_and_grads():
     """lax.cond inside a checkpointed scan step: every remat policy gives the same gradients."""
     rng = np.random.default_rng(2)
@@ -361,7 +365,8 @@ def test_causality_and_document_isolation_with_window_below_row():
         np.testing.assert_allclose(out[:, cut:], run(second, seg(T - cut))[:, : T - cut], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("over", [dict(window=4), dict(window=64, global_rope="none", attn_softcap=5.0, head_gate=False)],
+@pytest.mark.parametrize("over", [dict(window=4), pytest.param(dict(window=64, global_rope="none", attn_softcap=5.0,
+                                                                 head_gate=False), marks=LONG)],  # 20 s: integration
                          ids=["ring-wraps", "ring-is-the-row-nope-softcap"])
 def test_decoding_matches_forward(over):
     """prefill + greedy decoding equal forward: local layers' rings of 4 slots wrapping several times

@@ -60,6 +60,7 @@ def _batch(cfg, mesh, accum):
     return train.to_device(rows, mesh, (accum,))
 
 
+@pytest.mark.integration  # a long run: three meshes, a compile each (test_objstore restores across meshes too)
 def test_restore_onto_other_device_count(tiny_dense, tmp_path):
     """Saved from 8 devices (data=8), restored on 2 (data=2) and 1: same values, same next step."""
     cfg = tiny_dense.config(tmp_path, steps=3, save_every=0)
