@@ -18,9 +18,11 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from decode_check import decode_against_forward
 from shared import flops, kernels
+from shared.hf import HFError
 from shared.variant import ROOT, load
+
+from decode_check import decode_against_forward  # noqa: E402  (tests/decode_check.py)
 
 LONG = pytest.mark.integration  # a slow case of a parametrized check (the other cases stay in the fast tier)
 
@@ -375,3 +377,52 @@ def test_decoding_matches_forward(over):
     cfg = small(**over)
     err, same = decode_against_forward(model, cfg, mesh42(), _init(cfg), [1, 11, 4, 7], steps=10, max_len=24)
     assert err < 1e-4 and same, (err, same)
+
+
+# ---------------------------------------------------------------- its Hugging Face mapping (Qwen3ForCausalLM)
+# tests/test_hf.py runs the checks every hf.py gets; these are swa_hybrid's own: what its export and import
+# refuse, and the layer pattern it reads.
+
+def hf_module():
+    return load(os.path.join(ROOT, "variants", "swa_hybrid", "hf.py"))
+
+
+QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=512, hidden_size=64,
+             intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             rms_norm_eps=1e-5, hidden_act="silu", rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+             use_sliding_window=True, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2)
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"qk_norm": False}, "model.qk_norm"), ({"attn_softcap": 30.0}, "model.attn_softcap"),
+    ({"global_rope": "none"}, "model.global_rope"), ({"global_rope_theta": 5e5}, "model.global_rope_theta"),
+])
+def test_hf_export_refuses(change, field, tmp_path):
+    cfg = small(**change)
+    with pytest.raises(HFError, match=f"^{field}: "):
+        hf_module().export_params({}, cfg, str(tmp_path / "hf"), str(tmp_path / "tokenizer.json"), max_length=64,
+                                  progress=False)
+    assert not os.path.exists(tmp_path / "hf")
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"layer_types": ["full_attention", "sliding_attention"] * 2}, "layer_types"),  # the last layer is always full
+    ({"layer_types": ["sliding_attention", "full_attention", "full_attention", "full_attention"]}, "layer_types"),
+    ({"layer_types": ["chunked_attention"] * 4}, "layer_types"),
+    ({"use_sliding_window": False}, "use_sliding_window"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "rope_parameters.rope_type"),
+    ({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "model_type"),
+])
+def test_hf_import_refuses(change, field):
+    with pytest.raises(HFError, match=f"^{field}: "):
+        hf_module().model_config({**QWEN3, **change})
+
+
+def test_hf_import_reads_the_layer_pattern():
+    hf = hf_module()
+    cfg = hf.model_config(QWEN3)
+    assert (cfg.global_every, cfg.window, cfg.head_gate, cfg.qk_norm) == (2, 8, False, True)
+    assert hf.model.global_layers(cfg) == [False, True, False, True]
+    assert hf.model.global_layers(hf.model_config({**QWEN3, "layer_types": ["full_attention"] * 4})) == [True] * 4
+

@@ -120,7 +120,7 @@ def test_added_removed_and_renamed_files(repo):
     assert "| `presets/tiny.yaml` ← `presets/small.yaml` | presets | renamed, 92% similar | +1 -1 |" in md
     assert "| `bench_a.py` | other | removed | -10 |" in md and "| `NOTES.md` | docs | added | +4 |" in md
     assert "| `train.py` | code | modified | +1 -1 |" in md
-    assert "- code (model.py, train.py): 2 of 2 files, +2 -2 lines" in md
+    assert "- code (model.py, train.py, hf.py): 2 of 2 files, +2 -2 lines" in md
     assert "other files (docs, presets, benchmarks, ...; not used for the lineage): 3 of 3 files, +5 -11 lines " \
            "(docs +4 -0, presets +1 -1, other +0 -10)" in md
     assert "````diff" in md, "a diff holding ``` needs a longer fence"
@@ -130,7 +130,7 @@ def test_added_removed_and_renamed_files(repo):
         md.index("Unified diff of the other files") < min(md.index("+key_3: 33"), md.index("+why this variant exists"))
     page = (out_dir / "variants__c.html").read_text()
     assert page.startswith("<!DOCTYPE html>") and "presets/small.yaml → presets/tiny.yaml" in page
-    assert "<script" not in page and page.index("Code (model.py, train.py)") < page.index("Other files")
+    assert "<script" not in page and page.index("Code (model.py, train.py, hf.py)") < page.index("Other files")
     assert "http" not in page.replace("http-equiv", ""), "the page must be self-contained"
 
 
@@ -277,6 +277,25 @@ def test_code_distance_ignores_docs_and_presets_churn(churn):
     assert rc == 0 and not err and "- check: ok" in out
     assert "other files (docs, presets, benchmarks, ...; not used for the lineage): 2 of 2 files, +92 -92 lines " \
            "(docs +80 -80, presets +12 -12)" in out
+
+
+HF = "".join(f"MAP_{i} = 'layers.{i}'\n" for i in range(40))  # a Hugging Face mapping of 40 lines
+
+
+def test_hf_py_is_code_written_counts_deleted_does_not(repo):
+    # a has an hf.py (written: 40 lines of code more than the base), b copied it and edited 3 lines,
+    # c copied a and deleted it (no export: one decision, not 40 changed lines)
+    write(repo, {"variants/a/hf.py": HF, "variants/b/hf.py": edit(HF, 3, "b"),
+                 "variants/c/model.py": model("variants/a", edit(BASE_MODEL, 30, "a")),
+                 "variants/c/train.py": BASE_TRAIN})
+    r = vd.Repo(str(repo))
+    assert vd.kind_of("hf.py") == "code"
+    assert r.distance("variants/a", "templates/base") == 60 + 2 + 40
+    assert r.distance("variants/b", "variants/a") == 2 + 2 + 6  # model lines added, COPIED_FROM, hf.py edits
+    assert r.distance("variants/c", "variants/a") == 2  # COPIED_FROM only: the deleted hf.py is left out
+    assert r.nearest("variants/c") == ("variants/a", 2)
+    rc, out, err = run(repo, "variants/b")
+    assert rc == 0 and "code (model.py, train.py, hf.py): 2 of 3 files" in out and "hf.py" in out
 
 
 def test_warns_when_the_declared_parent_is_far_in_code(churn):

@@ -6,9 +6,11 @@ reports the parent its model.py declares (COPIED_FROM, read with `ast`, never im
 the nearest existing folder by a line-level distance over the code, and the change against
 the declared parent: a Markdown summary (for a PR comment) and a side-by-side HTML page.
 
-Code distance between two folders (the lineage uses only this): over model.py and train.py,
-the lines added plus the lines removed by a difflib line diff; a file on one side only
-counts all its lines. The percentage divides it by the code lines of both folders. The
+Code distance between two folders (the lineage uses only this): over model.py, train.py and
+hf.py (the Hugging Face mapping changes with the math), the lines added plus the lines removed
+by a difflib line diff; a file on one side only counts all its lines, except an hf.py that
+the variant lacks and the other folder has (the variant has no export: deleting the file is
+one decision; the review shows it as a removed code file). The percentage divides it by the code lines of both folders. The
 other files (docs *.md, presets/*.yaml, benchmarks and the rest; recursively, caches,
 hidden files and runs/ skipped) are compared and reported separately, as "other files",
 and never decide the nearest sibling: a copied README or preset churn says nothing about
@@ -46,7 +48,10 @@ MARKER = "<!-- stencil-variant-diff -->"  # the CI workflow finds its PR comment
 RENAME_MIN = 0.5  # similarity (difflib ratio) at which a removed + an added file are a rename
 SKIP_DIRS = {"__pycache__", "runs", "wandb", "build", "node_modules"}
 SKIP_SUFFIXES = (".pyc", ".pyo", ".so", ".egg-info")
-CODE_FILES = ("model.py", "train.py")  # the lineage (nearest sibling, the check) is measured over these only
+CODE_FILES = ("model.py", "train.py", "hf.py")  # the lineage (nearest sibling, the check) is measured over these only
+# hf.py (the Hugging Face mapping) changes with the math, so it is code; a folder without one has no export
+# (deleting a parent's is one decision, not hundreds of changed lines: Repo.distance)
+OPTIONAL_CODE = ("hf.py",)
 COMPARE_RUNS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compare_runs.py")  # for --runs
 OTHER_PAGE = "other_files.html"  # side-by-side page of the files outside the folders (--since); no "__" in it
 
@@ -156,7 +161,7 @@ def decode_lines(raw: bytes) -> list[str]:
 
 
 def kind_of(path: str) -> str:
-    """A file's kind inside a folder: "code" (model.py, train.py: the lineage is measured over
+    """A file's kind inside a folder: "code" (model.py, train.py, hf.py: the lineage is measured over
     these), "docs" (*.md), "presets" (presets/*.yaml) or "other" (bench_*.py and the rest)."""
     if path in CODE_FILES:
         return "code"
@@ -198,18 +203,25 @@ class Repo:
         return self._files[folder]
 
     def part(self, folder: str, code: bool) -> dict[str, list[str]]:
-        """The code files of the folder (model.py, train.py), or all its other files."""
+        """The code files of the folder (model.py, train.py, hf.py), or all its other files."""
         return {p: v for p, v in self.files(folder).items() if (kind_of(p) == "code") == code}
 
     def n_lines(self, folder: str, code: bool = True) -> int:
         return sum(len(v) for v in self.part(folder, code).values())
 
     def distance(self, a: str, b: str, code: bool = True) -> int:
-        """Changed lines between two folders over their code (the lineage measure), or over
-        their other files with code=False."""
-        key = (a, b, code) if a <= b else (b, a, code)
+        """Changed lines to make folder `a` from folder `b` over their code (the lineage measure),
+        or over their other files with code=False. Symmetric but for hf.py: one that `b` has and
+        `a` lacks is one deletion (a has no export), so it is left out; one that `a` has and `b`
+        lacks was written, and counts all its lines."""
+        key = (a, b, code)
         if key not in self._dist:
-            self._dist[key] = total(compare(self.part(key[0], code), self.part(key[1], code)))
+            a_part, b_part = self.part(a, code), self.part(b, code)
+            if code:
+                for p in OPTIONAL_CODE:
+                    if p in b_part and p not in a_part:
+                        b_part.pop(p)
+            self._dist[key] = total(compare(b_part, a_part))
         return self._dist[key]
 
     def descendants(self, folder: str) -> set[str]:
@@ -320,11 +332,11 @@ class Report:
     folder: str
     declared: str | None
     nearest: str | None  # the nearest other folder by code distance
-    nearest_distance: int | None  # code distance (model.py, train.py) to the nearest
+    nearest_distance: int | None  # code distance (model.py, train.py, hf.py) to the nearest
     parent_distance: int | None  # code distance to the declared parent
     parent_other: int | None  # distance over the other files (docs, presets, ...) to the declared parent
     base: str | None  # what the diff is against: the declared parent, else the nearest sibling
-    code_entries: list[Entry]  # model.py, train.py against the base
+    code_entries: list[Entry]  # model.py, train.py, hf.py against the base
     other_entries: list[Entry]  # every other file against the base
     warnings: list[str]
     percent: float | None  # nearest code distance over the code lines of both folders
@@ -365,7 +377,7 @@ def analyse(repo: Repo, folder: str, margin: float, slack: int) -> Report:
                 limit = nd * margin + slack
                 if pd > limit:
                     warnings.append(
-                        f"declared parent {declared} is {pd} changed lines of code away (model.py, train.py), but "
+                        f"declared parent {declared} is {pd} changed lines of code away (model.py, train.py, hf.py), but "
                         f"{nearest} is only {nd} (the limit is {margin:g} x {nd} + {slack} = {limit:g}): if this "
                         f"folder was copied from {nearest}, set COPIED_FROM = \"{nearest}\" in {folder}/model.py; "
                         f"if {nearest} was copied from this folder, its COPIED_FROM should name {folder}")
@@ -510,7 +522,7 @@ def render_section(repo: Repo, r: Report, with_diff: bool, max_diff_lines: int, 
         (f"`{r.declared}`" if r.declared else "none")
     out.append(f"- declared parent (COPIED_FROM in model.py): {declared}"
                + (f", {r.parent_distance} changed lines of code" if r.parent_distance is not None else ""))
-    out.append(f"- nearest sibling by code (model.py, train.py): `{r.nearest}`, "
+    out.append(f"- nearest sibling by code (model.py, train.py, hf.py): `{r.nearest}`, "
                f"{dist_text(r.nearest_distance, r.percent)} changed lines" if r.nearest else "- nearest sibling: none")
     if r.within_margin:
         out.append(f"- check: within margin: `{r.nearest}` is nearer by code than the declared parent, but not by "
@@ -536,7 +548,7 @@ def render_section(repo: Repo, r: Report, with_diff: bool, max_diff_lines: int, 
     against = "declared parent" if r.base == r.declared else "nearest sibling (the declared parent is unusable)"
     kinds = _kinds_text(r.other_entries)
     out += ["", f"Change against the {against} `{r.base}`:", "",
-            f"- code (model.py, train.py): {len(cc)} of {len(r.code_entries)} files, "
+            f"- code (model.py, train.py, hf.py): {len(cc)} of {len(r.code_entries)} files, "
             f"+{sum(e.added for e in cc)} -{sum(e.removed for e in cc)} lines",
             f"- other files (docs, presets, benchmarks, ...; not used for the lineage): {len(oc)} of "
             f"{len(r.other_entries)} files, +{sum(e.added for e in oc)} -{sum(e.removed for e in oc)} lines"
@@ -637,13 +649,13 @@ def render_html(repo: Repo, r: Report, show_tests: bool = False) -> str:
         f"<h1><code>{esc(r.folder)}</code> against <code>{esc(r.base or 'nothing')}</code></h1>", "<ul>",
         f"<li>declared parent (COPIED_FROM): <code>{esc(str(r.declared))}</code>"
         + (f", {r.parent_distance} changed lines of code" if r.parent_distance is not None else "") + "</li>",
-        f"<li>nearest sibling by code (model.py, train.py): <code>{esc(str(r.nearest))}</code>, "
+        f"<li>nearest sibling by code (model.py, train.py, hf.py): <code>{esc(str(r.nearest))}</code>, "
         f"{esc(dist_text(r.nearest_distance, r.percent))} changed lines</li>",
         f"<li>check: {esc(check_word(r))}</li>", "</ul>"]
     parts += [f'<p class="warn">warning: {esc(w)}</p>' for w in r.warnings]
     hd = _HtmlDiff(tabsize=4)
     for heading, entries in (
-            ("Code (model.py, train.py)", r.code_entries),
+            ("Code (model.py, train.py, hf.py)", r.code_entries),
             ("Other files: docs, presets, benchmarks, ... (not used for the lineage)", r.other_entries)):
         if not entries:
             continue
