@@ -5,6 +5,9 @@
     python variants/dense/train.py --resume true      # continue the newest run of this variant
     python variants/dense/train.py --help             # every setting
 
+Copied from templates/base/train.py; only this docstring and the mesh check (`n_kv_heads` over
+`model`: grouped-query attention shards its key/value heads) differ.
+
 What a variant may change is here: its config, mesh, optimizer, state, step, evaluation, sampling
 and the loop in `main()`. What no variant edits (the run directory and its lock, resume checks,
 checkpoints, signals, the watchdog, logging, throughput) is shared/run.py. One process per host;
