@@ -127,3 +127,25 @@ def gcs():
 
     with load(os.path.join(ROOT, "tools", "local_objstore.py")).gcs_server() as g:
         yield g
+
+
+# ---------------------------------------------------------------- parallel workers (pytest-xdist)
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under `-n 2` (docs/testing.md) the contract's checks of one folder share one compiled TinyRun
+    per process, so they go to one worker: each contract test with a `variant` parameter joins the
+    xdist group of its folder (`--dist loadgroup`), and the folders spread over the workers. The
+    modules that start servers or several processes (SLURM, object stores, launches, kill loops) run
+    on one worker each, so their servers start once and their timed waits are not starved by a
+    second multi-process test."""
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        if module == "test_contract" and "variant" in params:
+            item.add_marker(pytest.mark.xdist_group(str(params["variant"]).replace("/", "_")))
+        elif module in SERIAL_MODULES:
+            item.add_marker(pytest.mark.xdist_group(module))
+
+
+SERIAL_MODULES = ("test_slurm", "test_objstore", "test_launch", "test_preemption")

@@ -75,6 +75,7 @@ def test_chunked_matches_recurrent(T, chunk, with_state):
         close(a, b, 1e-4, f"gradient of {name}")
 
 
+@pytest.mark.integration  # long: several compiled kernel calls, 10-33 s
 def test_output_dtype_and_default_scale():
     rng = np.random.default_rng(0)
     q, k, v, g, beta = inputs(rng, 1, 20, 2, 16, 16)
@@ -204,7 +205,7 @@ def test_runs_and_run_masks_match_a_brute_force_construction(T, C):
 
 # ---------------------------------------------------------------- strong decay
 
-@pytest.mark.parametrize("decay", [30.0, 1e4])
+@pytest.mark.parametrize("decay", [pytest.param(30.0, marks=LONG), 1e4])  # 30.0: 10-35 s, integration
 def test_strong_decay_stays_finite_and_exact(decay):
     """Log decays of -30 .. -1e4 per token: exp(-G) would overflow fp32; the kernel never forms it."""
     rng = np.random.default_rng(7)
@@ -242,6 +243,7 @@ def test_bad_calls_raise_clear_errors():
 
 # ---------------------------------------------------------------- Pallas
 
+@pytest.mark.integration  # long: the Pallas kernel in the interpreter, 20-60 s on 2 cores
 def test_pallas_interpret_matches_xla():
     """The Pallas pairwise kernel (interpret mode on CPU) against the XLA path, forward and gradients."""
     rng = np.random.default_rng(11)
@@ -326,6 +328,7 @@ def test_config_errors_name_the_field(field, value):
         small(**{field: value})
 
 
+@pytest.mark.integration  # long: a full model per pattern on the mesh, 25-80 s; the contract runs the pattern
 def test_layers_run_in_pattern_order():
     """hidden_states (two stacks: a scanned super-block of 3 KDA + 1 attention layers, then a tail of
     1 KDA + 1 attention layer) equals the layers applied one by one in attention_layers' order."""
@@ -366,6 +369,7 @@ def test_short_conv_is_causal_and_stays_in_its_document():
         np.testing.assert_allclose(out[0, t], want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.integration  # long: two compiled models (4 x 2 mesh and one device), 25-75 s
 def test_sharded_forward_equals_single_device():
     """The data=4 x model=2 mesh gives the logits of one device (heads and gates sharded over model)."""
     cfg = small(n_heads=4, n_kv_heads=2, d_model=64)
@@ -394,6 +398,7 @@ def test_flops_per_token_adds_kda_kernel_and_projections():
     assert kernel > 0 and model.flops_per_token(cfg, T) > 3 * kernel
 
 
+@pytest.mark.integration  # long: compiles the same layer several times, 20-60 s
 def test_one_chunk_layer_compiles_to_the_same_result_every_time():
     """Regression: with T <= chunk_size and no initial state, XLA:CPU once compiled a KDA layer into
     programs whose outputs differed from one compilation to the next (garbage up to 1e22). The
@@ -417,6 +422,7 @@ def test_one_chunk_layer_compiles_to_the_same_result_every_time():
         np.testing.assert_array_equal(o, outs[0], err_msg="a recompilation changed the output")
 
 
+@pytest.mark.integration  # long: prefill and decode of a whole model, 20-60 s; the contract decodes kda
 def test_decoding_matches_forward_with_a_tail_of_layers():
     """prefill + greedy decoding equal forward when n_layers is not a multiple of global_every (KDA,
     attention, then the tail's attention layer: the prompt's states come from the scanned super-block and

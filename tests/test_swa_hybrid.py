@@ -288,7 +288,7 @@ OPTIONS = [dict(local_rope_theta=100.0, global_rope_theta=1e6),
            dict(qk_norm=False, head_gate=False, global_rope="none", attn_softcap=5.0)]
 
 
-@pytest.mark.parametrize("over", [pytest.param(OPTIONS[0], marks=LONG), OPTIONS[1]],  # two-thetas: integration tier
+@pytest.mark.parametrize("over", [pytest.param(OPTIONS[0], marks=LONG), pytest.param(OPTIONS[1], marks=LONG)],  # 15-45 s each: integration tier
                          ids=["two-thetas", "nope-softcap-plain"])
 def test_scanned_layers_match_an_unrolled_loop(over):
     """The per-layer pattern fed as scan data picks the same attention as Python flags per layer."""
