@@ -249,15 +249,20 @@ class Run:
         self.cfg, self.mesh, self.variant = cfg, mesh, os.path.basename(os.path.abspath(folder))
         self.run_dir = pick_run_dir(cfg, self.variant)
         self.ckpt_dir = cfg.checkpoint_dir or os.path.join(self.run_dir, "checkpoints")
-        self.lock = guard.RunLock(self.run_dir, self.ckpt_dir)  # one run per directory: a second is refused
         self.logger = self.saver = self.stop = self.watchdog = None
-        try:
-            self._open(cfg)
+        guard.RunLock.refuse_if_held(self.run_dir)  # another run in it: said first
+        self._open(cfg)  # every refusal (checkpoints, data, resume) before anything is written: a refused run leaves
+        self.lock = guard.RunLock(self.run_dir, self.ckpt_dir)  # no directory; one run per directory (creates it)
+        try:  # under the lock: a run that wrote checkpoints here meanwhile is not overrun
+            if find_checkpoint(cfg, self.run_dir, self.ckpt_dir) != self.checkpoint:
+                raise TrainingError(f"the checkpoints in {self.ckpt_dir} changed while this run started (another "
+                                    f"run?); start it again")
         except BaseException:
             self.lock.release()
             raise
 
     def _open(self, cfg) -> None:
+        """Find the checkpoint, open the data, refuse a resume that does not fit: reads only, writes nothing."""
         self.checkpoint = find_checkpoint(cfg, self.run_dir, self.ckpt_dir)
         self.tokenizer_file = os.path.join(self.run_dir, "tokenizer.json")
         data_cfg = cfg.data

@@ -144,6 +144,28 @@ def test_missing_or_empty_data_path(tmp_path):
         train.main(cfg)
 
 
+def test_a_refused_run_leaves_nothing_on_disk(tiny_dense, tmp_path, monkeypatch):
+    """Every refusal comes before anything is written: no empty run directory, no LOCK left behind."""
+    monkeypatch.chdir(tmp_path)  # the default run directory, runs/dense-<time>, would be made here
+    nowhere = data.DataConfig(source=str(tmp_path / "nowhere" / "*.txt"))
+    for run_dir in ("", str(tmp_path / "r1")):
+        with pytest.raises(data.DataError, match="nowhere"):
+            train.main(tiny_dense.config(run_dir, data=nowhere))
+    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint .*step_00000007"):
+        train.main(tiny_dense.config(tmp_path / "r2", resume_from="7"))
+    with pytest.raises(run.TrainingError, match="no complete checkpoint"):
+        train.main(tiny_dense.config(tmp_path / "r3", resume=True))
+    assert sorted(os.listdir(tmp_path)) == []
+    # a run that exists: a refused resume adds nothing to it (no lock, no rows, no config)
+    train.main(tiny_dense.config(tmp_path / "r4", steps=2, save_every=0, eval_every=0))
+    before = sorted(os.listdir(tmp_path / "r4"))
+    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint"):
+        train.main(tiny_dense.config(tmp_path / "r4", steps=4, resume_from="1"))
+    with pytest.raises(data.DataError, match="nowhere"):
+        train.main(tiny_dense.config(tmp_path / "r4", steps=4, resume=True, data=nowhere))
+    assert sorted(os.listdir(tmp_path / "r4")) == before and "LOCK" not in before
+
+
 def poison(monkeypatch, at: int, metrics: tuple = ()):
     """From now on train.make_train_step's step number `at` returns NaN parameters (and NaN for each
     of `metrics`), as a diverging update would."""
