@@ -5,6 +5,7 @@ file:// (the object-store URL path through tensorstore's kvstore)."""
 import gzip
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -120,6 +121,16 @@ def test_input_formats_give_the_same_tokens(tmp_path, tok_file):
     (d / "notes.md").write_text("# a title\n\nsome text\n")
     store = pretokenize.run([str(d / "notes.md")], str(tmp_path / "md"), tokenizer=tok_file, workers=1, progress=False)
     assert store["n_docs"] == 1
+
+
+def test_the_tokenizing_bar_counts_documents(tmp_path, tok_file, capsys):
+    """The bar train.py shows while its text is tokenized: one bar, its total the number of documents, unit doc."""
+    src = write_corpus(tmp_path, n_docs=70)  # more than one batch of 64
+    load_corpus(DataConfig(source=str(src / "*.txt"), tokenizer=tok_file, cache_dir=str(tmp_path / "c")), VOCAB,
+                progress=True)
+    renders = [r.strip() for r in capsys.readouterr().err.replace("\r", "\n").splitlines() if "tokenizing" in r]
+    assert renders and all(re.search(r"\| \d+/70 \[[^\]]*(\?|\d)doc/s\]$", r) for r in renders), renders
+    assert renders[-1].startswith("tokenizing: 100%") and " 70/70 [" in renders[-1]
 
 
 # ---------------------------------------------------------------- the loader over stores
