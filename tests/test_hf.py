@@ -11,6 +11,7 @@ without a counterpart is refused with its own message. Needs torch and transform
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -196,6 +197,17 @@ def test_import_transformers_model_and_train_from_it(variant, tmp_path, tokenize
             np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+class Collect(logging.Handler):
+    """The messages of a logger, as they are logged."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record.getMessage())
+
+
 @pytest.mark.parametrize("variant", ["dense", "swa_hybrid"])
 def test_greedy_generation_matches_transformers(variant, tmp_path, tokenizer_file):
     hf = hf_module(variant)
@@ -215,8 +227,14 @@ def test_greedy_generation_matches_transformers(variant, tmp_path, tokenizer_fil
             buf[:, i] = t
         cached = generate.generate(hf.model, params, cfg, [prompt], mesh=mesh(1, 1), max_new_tokens=n_new)[0].tokens
     m = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager", dtype=torch.float32)
-    theirs = m.generate(torch.tensor([prompt]), max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
-                        eos_token_id=None, pad_token_id=0)[0].tolist()
+    warned = Collect()
+    logging.getLogger("transformers").addHandler(warned)  # transformers' loggers end there
+    try:
+        theirs = m.generate(torch.tensor([prompt]), max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0].tolist()
+    finally:
+        logging.getLogger("transformers").removeHandler(warned)
+    assert not [r for r in warned.records if "max_length" in r], warned.records  # none in generation_config.json
     assert theirs == ours
     assert prompt + cached == theirs, "decoding with the cache (shared/generate.py) differs from transformers' generate"
 
