@@ -17,6 +17,8 @@ Each piece is a small function or class of its own, read top to bottom:
   pick_run_dir        the run directory: --run_dir, a --resume_from path's run, the newest runs/<variant>-*
                       for --resume, or a new runs/<variant>-<time>
   find_checkpoint     the checkpoint to resume from (or None), refusing a fresh run over checkpoints
+  later_branch        the checkpoints after the one a run resumes from (a branch back to an earlier step):
+                      `set_aside` moves them and their metric rows into <run_dir>/abandoned-after-<step>-<time>/
   refuse_resume       every refusal that is the same for every variant: another model or data config,
                       another data stream, another optimizer, a weight average turned on or off, no steps left
   Clock               tokens/s and MFU between log lines, less the time set aside (eval, saves, samples)
@@ -36,6 +38,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass
 
@@ -104,6 +107,48 @@ def find_checkpoint(cfg, run_dir: str, ckpt_dir: str) -> str | None:
     if resume and not last:
         raise TrainingError(f"--resume: no complete checkpoint in {ckpt_dir}")
     return last
+
+
+def _local(location: str) -> str | None:
+    """The local path of a checkpoint location (a path or file://PATH); None for object storage."""
+    if location.startswith("file://"):
+        return location[len("file://"):]
+    return None if checkpoint.is_url(location) else location
+
+
+def later_branch(ckpt_dir: str, path: str, step: int) -> list[str]:
+    """The checkpoints in `ckpt_dir` after `step`, which this run (resuming from `path`, at `step`) branches
+    away from: left there, `--resume` would continue the abandoned branch from the newest of them. On a local
+    disk `set_aside` moves them aside; on object storage (where a move is a copy of every file) the run is
+    refused, saying how to branch into a new run directory instead."""
+    later = checkpoint.later(ckpt_dir, step)
+    if later and _local(ckpt_dir) is None:
+        names = ", ".join(os.path.basename(p) for p in later)
+        raise TrainingError(f"--resume_from: {ckpt_dir} holds checkpoints after step {step} ({names}), which a later "
+                            f"--resume would continue instead of this branch; on object storage they are not moved "
+                            f"aside. Branch into a new run directory: --run_dir NEW --resume_from {path} (with "
+                            f"--checkpoint_dir elsewhere than {ckpt_dir})")
+    return later
+
+
+def set_aside(run_dir: str, ckpt_dir: str, later: list[str], step: int) -> str:
+    """Move the checkpoints `later` (local, after `step`) and the rows of metrics.jsonl after `step` into a
+    new <run_dir>/abandoned-after-<step>-<time>/ (checkpoints/, metrics.jsonl); kept, never deleted. Returns
+    the line that says so."""
+    aside = os.path.join(run_dir, f"abandoned-after-{step}-{time.strftime('%Y%m%d-%H%M%S')}")
+    n = 1
+    while os.path.exists(aside + (f"-{n}" if n > 1 else "")):
+        n += 1
+    aside += f"-{n}" if n > 1 else ""
+    os.makedirs(os.path.join(aside, "checkpoints"))
+    rows = metrics.move_rows_after(os.path.join(run_dir, "metrics.jsonl"), step, os.path.join(aside, "metrics.jsonl"))
+    names = []
+    for path in later:
+        names.append(os.path.basename(path))
+        shutil.move(os.path.join(_local(ckpt_dir), names[-1]), os.path.join(aside, "checkpoints", names[-1]))
+    return (f"branching back to step {step}: the later checkpoints ({', '.join(names)}) and the {rows} metric rows "
+            f"after step {step} were moved aside to {aside} (kept: delete it when it is no longer wanted); "
+            f"--resume continues this branch")
 
 
 def data_stream(cfg, corpus) -> dict:
@@ -253,10 +298,14 @@ class Run:
         guard.RunLock.refuse_if_held(self.run_dir)  # another run in it: said first
         self._open(cfg)  # every refusal (checkpoints, data, resume) before anything is written: a refused run leaves
         self.lock = guard.RunLock(self.run_dir, self.ckpt_dir)  # no directory; one run per directory (creates it)
+        self.notes = []  # lines for the log once it is open
         try:  # under the lock: a run that wrote checkpoints here meanwhile is not overrun
-            if find_checkpoint(cfg, self.run_dir, self.ckpt_dir) != self.checkpoint:
+            if find_checkpoint(cfg, self.run_dir, self.ckpt_dir) != self.checkpoint or \
+                    (self.checkpoint and checkpoint.later(self.ckpt_dir, self.start) != self.later):
                 raise TrainingError(f"the checkpoints in {self.ckpt_dir} changed while this run started (another "
                                     f"run?); start it again")
+            if self.later and jax.process_index() == 0:  # a branch back: the abandoned future moved aside, kept
+                self.notes.append(set_aside(self.run_dir, self.ckpt_dir, self.later, self.start))
         except BaseException:
             self.lock.release()
             raise
@@ -280,6 +329,7 @@ class Run:
             meta = checkpoint.read_metadata(self.checkpoint)
             refuse_resume(cfg, meta, self.stream, self.checkpoint)
             self.start = meta["step"]
+        self.later = later_branch(self.ckpt_dir, self.checkpoint, self.start) if self.checkpoint else []
 
     def __enter__(self):
         return self
@@ -317,6 +367,8 @@ class Run:
         self.write(f"{self.variant}: {n_params / 1e6:.2f}M params, {flops_per_token / 1e6:.1f} MFLOP/token, mesh "
                    f"{dict(mesh.shape)}, {cfg.batch_size * cfg.seq_len} tokens/step, steps {self.start}->{self.end}, "
                    f"run dir {self.run_dir}")
+        for note in self.notes:
+            self.write(note)
         self.saver = checkpoint.Saver()  # asynchronous saves, one in flight
         self.stop = guard.StopSignals()  # SIGTERM / SIGINT / SIGUSR1: finish the step, save, exit 75
         self.watchdog = guard.Watchdog(cfg.watchdog_s, self.run_dir)

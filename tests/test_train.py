@@ -3,6 +3,7 @@ counts, gradient accumulation, early config errors, clear data errors, NaN handl
 kernels a run used in its config.json, and a default warmup that fits any run length."""
 
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -164,6 +165,32 @@ def test_a_refused_run_leaves_nothing_on_disk(tiny_dense, tmp_path, monkeypatch)
     with pytest.raises(data.DataError, match="nowhere"):
         train.main(tiny_dense.config(tmp_path / "r4", steps=4, resume=True, data=nowhere))
     assert sorted(os.listdir(tmp_path / "r4")) == before and "LOCK" not in before
+
+
+def test_branching_back_moves_the_abandoned_future_aside(tiny_dense, tmp_path, capsys):
+    """--resume_from an earlier step of the same run directory: the later checkpoints and their metric rows
+    go into a named folder (kept), so --resume continues the chosen branch and metrics.jsonl is one history.
+    (The tiny run's schedule, steps=6, throughout: the step other tests compiled.)"""
+    run = functools.partial(tiny_dense.config, tmp_path, save_every=2, eval_every=0)
+    train.main(run(stop_at=4))  # checkpoints 2, 4
+    old_rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    branch = train.main(run(resume_from="2", stop_at=3))  # the branch: 3, saved at 3
+    assert sorted(branch["losses"]) == [3]
+    [aside] = [d for d in os.listdir(tmp_path) if d.startswith("abandoned-after-2-")]
+    assert f"moved aside to {tmp_path / aside}" in capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path / aside / "checkpoints")) == ["step_00000004"]
+    assert checkpoint.read_metadata(str(tmp_path / aside / "checkpoints" / "step_00000004"))["step"] == 4
+    assert [os.path.basename(c) for c in checkpoint.all_checkpoints(str(tmp_path / "checkpoints"))] == \
+        ["step_00000002", "step_00000003"]
+    moved = [json.loads(line) for line in (tmp_path / aside / "metrics.jsonl").read_text().splitlines()]
+    assert moved == [r for r in old_rows if r["step"] > 2]  # the abandoned branch's rows, as they were
+    # --resume continues the branch (from 3, not the abandoned 4); metrics.jsonl holds one history
+    resumed = train.main(run(resume=True))
+    assert sorted(resumed["losses"]) == [4, 5, 6]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert rows[:2] == old_rows[:2] and {r["step"]: r["train/loss"] for r in rows[2:]} == \
+        {**branch["losses"], **resumed["losses"]}
 
 
 def poison(monkeypatch, at: int, metrics: tuple = ()):
