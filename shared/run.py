@@ -4,7 +4,7 @@ A variant's train.py keeps its model, its step and its loop; this module keeps t
 
     with run.Run(cfg, HERE, mesh) as r, jax.set_mesh(mesh):  # run dir, lock, resume refusals, data
         state = r.restore(abstract_state) if r.checkpoint else init(...)
-        r.begin(n_params, flops_per_token)                     # logger, saver, stop signals, watchdog, clock
+        r.begin(n_params, flops_per_token, schedule)           # logger, saver, stop signals, watchdog, clock
         for step in r.steps():                                 # start+1 .. end; opens the profiler window
             state, metrics = train_step(state, batch)
             due = r.step_done(step, metrics)                   # fetches the previous step's metrics; what is due
@@ -19,6 +19,7 @@ Each piece is a small function or class of its own, read top to bottom:
   find_checkpoint     the checkpoint to resume from (or None), refusing a fresh run over checkpoints
   later_branch        the checkpoints after the one a run resumes from (a branch back to an earlier step):
                       `set_aside` moves them and their metric rows into <run_dir>/abandoned-after-<step>-<time>/
+  schedule_change     the warning when a resumed run's learning rate at its first step differs from the saved run's
   refuse_resume       every refusal that is the same for every variant: another model or data config,
                       another data stream, another optimizer, a weight average turned on or off, no steps left
   Clock               tokens/s and MFU between log lines, less the time set aside (eval, saves, samples)
@@ -184,6 +185,34 @@ def refuse_resume(cfg, meta: dict, stream: dict, path: str) -> None:
                             f"{cfg.stop_at or cfg.steps} (--steps / --stop_at): nothing to train")
 
 
+SCHEDULE_FIELDS = ("lr", "steps", "warmup_steps", "min_lr_ratio", "optim.schedule", "optim.decay_frac",
+                   "optim.schedule_steps")
+
+
+def schedule_change(cfg, meta: dict, lr_now: float, step: int) -> str | None:
+    """The warning when this run's learning rate for the step after `step` (`lr_now`) differs from the one the
+    checkpoint's run would have used (its metadata's `next_learning_rate`), naming the settings that changed;
+    None when they agree (or the checkpoint predates the record)."""
+    saved = meta.get("next_learning_rate")
+    if saved is None or math.isclose(saved, lr_now, rel_tol=1e-5, abs_tol=1e-12):
+        return None
+    was, now = meta["config"], dataclasses.asdict(cfg)
+
+    def get(d, name):
+        part, _, field = name.rpartition(".")
+        return (d.get(part, {}) if part else d).get(field)
+    changed = [k for k in SCHEDULE_FIELDS if get(was, k) != get(now, k)]
+    text = (f"warning: the learning-rate schedule changed at the resumed step {step}: step {step + 1} was to run at "
+            f"lr {saved:.3g} and runs at {lr_now:.3g} "
+            f"({', '.join(f'--{k} {get(was, k)} -> {get(now, k)}' for k in changed) or 'another schedule'})")
+    if changed == ["steps"]:  # an extended (or shortened) run: the schedule is computed from --steps
+        text += (f". The schedule spans --steps, so extending a run reshapes it: to keep the saved one pass "
+                 f"--optim.schedule_steps {get(was, 'optim.schedule_steps') or get(was, 'steps')}; for a fresh decay, "
+                 f"train with --optim.schedule wsd and resume from a checkpoint of its stable phase "
+                 f"(docs/train-loop.md, 'Extending a run')")
+    return text
+
+
 def profile_range(cfg) -> tuple[int, int] | None:
     """`profile_steps` "A:B" as (A, B), None when it is empty or malformed."""
     a, sep, b = cfg.profile_steps.partition(":")
@@ -326,7 +355,7 @@ class Run:
                                     process_index=p, process_count=n)
         self.start, self.end = 0, cfg.stop_at or cfg.steps
         if self.checkpoint:
-            meta = checkpoint.read_metadata(self.checkpoint)
+            self.meta = meta = checkpoint.read_metadata(self.checkpoint)
             refuse_resume(cfg, meta, self.stream, self.checkpoint)
             self.start = meta["step"]
         self.later = later_branch(self.ckpt_dir, self.checkpoint, self.start) if self.checkpoint else []
@@ -352,11 +381,12 @@ class Run:
         self.loader.restore(meta["loader"])
         return state
 
-    def begin(self, n_params: int, flops_per_token: float) -> None:
+    def begin(self, n_params: int, flops_per_token: float, schedule) -> None:
         """Start logging (metrics.jsonl, wandb, the bar), the saver, the stop signals and the watchdog, and write
-        the run's first line."""
+        the run's first line. `schedule`: step -> learning rate, the optimizer's (its value after each saved step
+        is recorded with the checkpoint, and a resume whose schedule differs there says so)."""
         cfg, mesh = self.cfg, self.mesh
-        self.flops_per_token = flops_per_token
+        self.flops_per_token, self.schedule = flops_per_token, schedule
         self.peak, self.peak_src = flops.device_peak(cfg.model.compute_dtype)
         self.clock = Clock(cfg.batch_size * cfg.seq_len)
         self.logger = metrics.Logger(self.run_dir, dataclasses.asdict(cfg), total_steps=self.end, wandb_mode=cfg.wandb,
@@ -367,7 +397,9 @@ class Run:
         self.write(f"{self.variant}: {n_params / 1e6:.2f}M params, {flops_per_token / 1e6:.1f} MFLOP/token, mesh "
                    f"{dict(mesh.shape)}, {cfg.batch_size * cfg.seq_len} tokens/step, steps {self.start}->{self.end}, "
                    f"run dir {self.run_dir}")
-        for note in self.notes:
+        if self.checkpoint:
+            self.notes.append(schedule_change(cfg, self.meta, float(schedule(self.start)), self.start))
+        for note in filter(None, self.notes):
             self.write(note)
         self.saver = checkpoint.Saver()  # asynchronous saves, one in flight
         self.stop = guard.StopSignals()  # SIGTERM / SIGINT / SIGUSR1: finish the step, save, exit 75
@@ -442,7 +474,7 @@ class Run:
     def save(self, step: int, state) -> str:
         """Save asynchronously (the loop waits for the host copy only) with what a resume needs."""
         meta = {"config": dataclasses.asdict(self.cfg), "loader": self.loader.state(), "variant": self.variant,
-                "stream": self.stream}
+                "stream": self.stream, "next_learning_rate": float(self.schedule(step))}  # the lr of step + 1
         with self.clock.aside():
             self.saved = self.saver.save(self.ckpt_dir, step, state, meta, keep=self.cfg.keep_checkpoints)
         return self.saved

@@ -193,6 +193,35 @@ def test_branching_back_moves_the_abandoned_future_aside(tiny_dense, tmp_path, c
         {**branch["losses"], **resumed["losses"]}
 
 
+def test_extending_a_run_says_how_its_schedule_changes(tiny_dense, tmp_path, capsys):
+    """--steps 6 -> 8 on a finished run recomputes the cosine: the resume names the old and the new learning
+    rate of its first step; --optim.schedule_steps keeps the saved schedule (no warning)."""
+    six, eight = tiny_dense.config(tmp_path, save_every=0), tiny_dense.config(tmp_path, steps=8, save_every=0)
+    old, new = train.make_optimizer(six)[1], train.make_optimizer(eight)[1]
+    train.main(six)
+    meta = checkpoint.read_metadata(checkpoint.latest(str(tmp_path / "checkpoints")))
+    assert meta["next_learning_rate"] == pytest.approx(float(old(6)), rel=1e-6)  # what step 7 would have used
+    capsys.readouterr()
+    resume = dataclasses.replace(eight, resume=True)
+    with run.Run(resume, train.HERE, train.make_mesh(resume)) as r:  # the resume up to its first step (no compile)
+        r.begin(1, 1.0, new)
+    out = capsys.readouterr().out
+    assert (f"warning: the learning-rate schedule changed at the resumed step 6: step 7 was to run at lr "
+            f"{float(old(6)):.3g} and runs at {float(new(6)):.3g} (--steps 6 -> 8). The schedule spans --steps") in out
+    assert "--optim.schedule_steps 6" in out and float(new(6)) != pytest.approx(float(old(6)))
+    # the saved schedule kept: the same lr at every step of the first 6, its final value after them
+    keep = tiny_dense.config(tmp_path, steps=8, optim=dataclasses.replace(six.optim, schedule_steps=6))
+    kept = train.make_optimizer(keep)[1]
+    assert [float(kept(s)) for s in range(9)] == [float(old(s)) for s in range(7)] + [float(old(6))] * 2
+    assert run.schedule_change(keep, meta, float(kept(6)), 6) is None
+    assert "(--lr 0.003 -> 0.001)" in run.schedule_change(dataclasses.replace(six, lr=1e-3), meta, 1e-4, 6)
+    # a fresh decay: WSD's stable phase does not depend on --steps, so a resume from it with more steps agrees
+    wsd = [tiny_dense.config(tmp_path, steps=n, optim=dataclasses.replace(six.optim, schedule="wsd")) for n in (20, 40)]
+    w20, w40 = (train.make_optimizer(c)[1] for c in wsd)
+    stable = {"next_learning_rate": float(w20(16)), "config": dataclasses.asdict(wsd[0])}
+    assert run.schedule_change(wsd[1], stable, float(w40(16)), 16) is None and float(w40(16)) == pytest.approx(six.lr)
+
+
 def poison(monkeypatch, at: int, metrics: tuple = ()):
     """From now on train.make_train_step's step number `at` returns NaN parameters (and NaN for each
     of `metrics`), as a diverging update would."""
