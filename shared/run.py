@@ -480,9 +480,10 @@ class Run:
         return self.saved
 
     def evaluate(self, eval_batch) -> dict:
-        """eval/loss of the held-out rows and eval/<name>/loss of every named set (--data.eval), each with its
-        bits per byte (eval/bpb, eval/<name>/bpb) when the set's text is known. `eval_batch(rows)` gives
-        (summed loss, tokens) of one batch of host rows. Not counted in tokens/s."""
+        """eval/loss of the held-out rows, eval/<source>/loss of each source of a mixture and eval/<name>/loss of
+        every named set (--data.eval), each with its bits per byte (eval/bpb, eval/<name>/bpb) when the set's
+        text is known. `eval_batch(rows)` gives (summed loss, tokens) of one batch of host rows. Not counted in
+        tokens/s."""
         row = {}
         with self.clock.aside():
             for name, s in self.evals.items():
