@@ -22,7 +22,8 @@ Each piece is a small function or class of its own, read top to bottom:
   schedule_change     the warning when a resumed run's learning rate at its first step differs from the saved run's
   refuse_resume       every refusal that is the same for every variant: another model or data config,
                       another data stream, another optimizer, a weight average turned on or off, no steps left
-  Clock               tokens/s and MFU between log lines, less the time set aside (eval, saves, samples)
+  Clock               tokens/s and MFU between log lines, less the time set aside (eval, saves, samples); the peak
+                      MFU is against is named once at the start and kept in config.json ("peak")
   Profiler            a jax.profiler trace of the steps A..B (--profile_steps), with the compiled program's text
   Fetch               the one-step-late metric fetch: the host reads step N's metrics while step N+1 runs, and
                       a non-finite loss or gradient norm stops the run naming the last good checkpoint
@@ -397,6 +398,9 @@ class Run:
         self.write(f"{self.variant}: {n_params / 1e6:.2f}M params, {flops_per_token / 1e6:.1f} MFLOP/token, mesh "
                    f"{dict(mesh.shape)}, {cfg.batch_size * cfg.seq_len} tokens/step, steps {self.start}->{self.end}, "
                    f"run dir {self.run_dir}")
+        # the peak MFU is against: said once, and kept in config.json (tools/compare_runs.py compares runs' peaks)
+        self.write(f"MFU is against {self.peak / 1e9:,.1f} GFLOP/s per device: {self.peak_src}")
+        self.logger.record("peak", {"per_device": self.peak, "source": self.peak_src})
         if self.checkpoint:
             self.notes.append(schedule_change(cfg, self.meta, float(schedule(self.start)), self.start))
         for note in filter(None, self.notes):
@@ -469,7 +473,7 @@ class Run:
         self.logger.log(step, row)
         text = {label: format(row[k], f) for k, (label, f) in shown.items() if k in row}
         self.logger.progress(step, **text)
-        self.write(f"step {step:6d}  " + "  ".join(f"{k} {v}" for k, v in text.items()) + f"  ({self.peak_src})")
+        self.write(f"step {step:6d}  " + "  ".join(f"{k} {v}" for k, v in text.items()))
 
     def save(self, step: int, state) -> str:
         """Save asynchronously (the loop waits for the host copy only) with what a resume needs."""

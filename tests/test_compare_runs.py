@@ -226,3 +226,25 @@ def test_any_logged_metric_is_plotted_and_summarized(tmp_path, capsys):
     unknown = cli(a, b, "--out", str(tmp_path / "o2"), "--metric", "eval/bits")
     assert unknown.returncode == 2 and unknown.stderr.startswith("error: --metric eval/bits: no run logged it; logged:")
     assert "eval/bpb" in unknown.stderr and not (tmp_path / "o2").exists()
+
+
+def test_runs_with_different_peaks_are_compared_by_tokens_per_second(tmp_path, capsys):
+    """MFU is against each run's own peak (config.json's "peak"; on CPU measured in each run): the table gives
+    tokens/s as a ratio to the first run and the peak of each, and says when the peaks differ."""
+    cfg = {"batch_size": 2, "seq_len": 4}
+    peak = {"per_device": 20e9, "source": "measured fp32 matmul, 160 GFLOP/s at start"}
+    a = write_run(tmp_path / "a", [row(10, 5.0, tok_s=1000.0, mfu=0.5)], cfg | {"peak": peak})
+    b = write_run(tmp_path / "b", [row(10, 5.0, tok_s=1500.0, mfu=0.3)], cfg | {"peak": peak | {"per_device": 50e9}})
+    c = write_run(tmp_path / "c", [row(10, 5.0, tok_s=900.0, mfu=0.45)], cfg | {"peak": peak | {"per_device": 20.5e9}})
+    res = cr.compare([a, b], str(tmp_path / "ab"))
+    assert [s["peak_per_device"] for s in res["runs"]] == [20e9, 50e9]
+    md = (tmp_path / "ab" / "summary.md").read_text()
+    table = [ln.split(" | ") for ln in md.splitlines() if ln.startswith("| ")]
+    assert table[0][6:10] == ["median tokens/s", "tokens/s vs first", "median MFU", "MFU's peak (GFLOP/s per device)"]
+    assert table[1][6:10] == ["1,000", "1.00x", "50.00%", "20.0"]
+    assert table[2][6:10] == ["1,500", "1.50x", "30.00%", "50.0"]
+    assert "**The runs' peaks differ** (a: 20.0 GFLOP/s per device, measured fp32 matmul" in md
+    assert "b: 50.0 GFLOP/s per device" in md and "compare the runs by tokens/s" in md
+    assert "different peaks" in capsys.readouterr().err
+    cr.compare([a, c], str(tmp_path / "ac"))  # within 5%: the same peak, nothing to say
+    assert "peaks differ" not in (tmp_path / "ac" / "summary.md").read_text() and not capsys.readouterr().err

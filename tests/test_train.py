@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from shared import checkpoint, data, run
+from shared import checkpoint, data, flops, run
 from shared.variant import ROOT, load
 
 from helpers import arrays  # noqa: E402  (tests/helpers.py)
@@ -124,11 +124,18 @@ def test_warmup_default_fits_any_run_length():
             train.TrainConfig(steps=steps, warmup_steps=warmup)
 
 
-def test_config_json_records_the_kernels_the_step_used(tiny_dense, tmp_path):
-    """Which backend each kernel op took (chosen while the first step compiled) is in the run's config.json."""
+def test_config_json_records_the_kernels_the_step_used(tiny_dense, tmp_path, capsys):
+    """Which backend each kernel op took (chosen while the first step compiled) is in the run's config.json; so is
+    the peak MFU is against, which the log names once at the start (not on every line)."""
     train.main(tiny_dense.config(tmp_path, steps=2, save_every=0, eval_every=2))
+    out = capsys.readouterr().out
     with open(tmp_path / "config.json") as f:
-        used = json.load(f)["kernels"]
+        recorded = json.load(f)
+    peak, src = flops.device_peak()
+    assert recorded["peak"] == {"per_device": peak, "source": src} and "fp32 matmul measured at start" in src
+    assert [line for line in out.splitlines() if "GFLOP/s" in line] == \
+        [f"MFU is against {peak / 1e9:,.1f} GFLOP/s per device: {src}"]  # once, not on every step's line
+    used = recorded["kernels"]
     assert {"attention", "cross_entropy", "rms_norm"} <= set(used), used
     assert "q(8, 32, 4, 16) window=None" in used["attention"]["reference"], used  # CPU: the reference
 

@@ -12,8 +12,10 @@ resume a step can appear twice, and the last row for a step wins) this writes:
                     run against step (left) and tokens seen (right); a pattern (`eval/*/bpb`)
                     stands for every logged metric it matches
     OUT/summary.md  one row per run: last step, final train loss, final and best val loss,
-                    median tokens/s and MFU, total tokens, parameter count when known; and for
-                    each --metric, every run's final and lowest value (at which step)
+                    median tokens/s (and as a ratio to the first run's) and MFU with the peak it
+                    is against (config.json's "peak"), total tokens, parameter count when known;
+                    a note when the runs' peaks differ (on CPU each run measures its own: compare
+                    tokens/s then); and for each --metric, every run's final and lowest value
 
 Tokens seen at step s = s * batch_size * seq_len, read from RUN/config.json (written by
 shared/metrics.py's Logger) or, when that is missing, from the newest
@@ -47,7 +49,8 @@ examples:
 
 Writes OUT/loss.png (train loss solid, val loss dashed, against optimizer step and
 against tokens seen = step x batch_size x seq_len, from RUN/config.json or the newest
-checkpoint's metadata.json) and OUT/summary.md (final/best loss, median tokens/s and MFU),
+checkpoint's metadata.json) and OUT/summary.md (final/best loss, median tokens/s, its ratio to
+the first run's, and MFU with the peak it is against; a note when the runs' peaks differ),
 and prints their paths. Each --metric NAME (repeatable; a name as metrics.jsonl logs it, or
 a pattern with * such as 'eval/*/bpb') also writes OUT/NAME.png (/ as _) and its final and
 lowest values to summary.md: runs with different tokenizers compare by eval/bpb, not loss.
@@ -84,6 +87,7 @@ class Run:
     config_source: str | None  # the file batch_size/seq_len came from
     params: int | None  # parameter count from the newest checkpoint's leaves
     rows: list[dict] = dataclasses.field(default_factory=list)  # every logged row, by step (names as logged now)
+    peak: dict | None = None  # config.json's "peak": the FLOP/s per device its MFU is against, and their source
 
     def tokens(self, steps: list[int]) -> list[int] | None:
         return None if self.tokens_per_step is None else [s * self.tokens_per_step for s in steps]
@@ -174,9 +178,11 @@ def load_run(path: str, label: str) -> Run:
     meta_path = newest_checkpoint_metadata(path)
     meta = _read_json(meta_path) if meta_path else None
     cpath = os.path.join(path, "config.json")
-    tokens_per_step, source = None, None
+    tokens_per_step, source, peak = None, None, None
     if os.path.isfile(cpath):
-        tokens_per_step, source = _tokens_per_step(_read_json(cpath)), cpath
+        config = _read_json(cpath)
+        tokens_per_step, source = _tokens_per_step(config), cpath
+        peak = config.get("peak") if isinstance(config.get("peak"), dict) else None
     elif meta is not None and isinstance(meta.get("config"), dict):
         tokens_per_step, source = _tokens_per_step(meta["config"]), meta_path
     if tokens_per_step is None:
@@ -195,7 +201,7 @@ def load_run(path: str, label: str) -> Run:
     return Run(label=label, path=path, steps=[r["step"] for r in rows], loss=[_float(r.get("train/loss")) for r in rows],
                val_steps=[r["step"] for r in val], val_loss=[_float(r["eval/loss"]) for r in val],
                tokens_per_s=finite("throughput/tokens_per_second"), mfu=finite("throughput/mfu"),
-               tokens_per_step=tokens_per_step, config_source=source, params=params, rows=rows)
+               tokens_per_step=tokens_per_step, config_source=source, params=params, rows=rows, peak=peak)
 
 
 def series(run: Run, metric: str) -> tuple[list[int], list[float]]:
@@ -347,6 +353,8 @@ def summarize(run: Run) -> dict:
         "best_val_step": best[1] if best else None,
         "median_tokens_per_s": statistics.median(run.tokens_per_s) if run.tokens_per_s else None,
         "median_mfu": statistics.median(run.mfu) if run.mfu else None,
+        "peak_per_device": _float((run.peak or {}).get("per_device")) if run.peak else None,
+        "peak_source": (run.peak or {}).get("source"),
         "tokens_per_step": run.tokens_per_step,
         "total_tokens": last * run.tokens_per_step if last is not None and run.tokens_per_step is not None else None,
         "params": run.params,
@@ -383,14 +391,18 @@ def metrics_markdown(metrics: dict[str, list[dict]], labels: list[str]) -> list[
 
 def summary_markdown(summaries: list[dict], metrics: dict[str, list[dict]] | None = None) -> str:
     head = ["run", "run dir", "last step", "final loss", "final val loss", "best val loss (step)",
-            "median tokens/s", "median MFU", "total tokens", "params"]
+            "median tokens/s", "tokens/s vs first", "median MFU", "MFU's peak (GFLOP/s per device)", "total tokens",
+            "params"]
     lines = ["# Run comparison", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    first = summaries[0]["median_tokens_per_s"] if summaries else None
     for s in summaries:
         best = "–" if s["best_val_loss"] is None else f"{s['best_val_loss']:.4f} ({s['best_val_step']})"
+        vs = s["median_tokens_per_s"] / first if first and s["median_tokens_per_s"] is not None else None
+        peak = None if s["peak_per_device"] is None else s["peak_per_device"] / 1e9
         cells = [_cell(s["label"]), _cell(s["run_dir"], "`{}`"), _cell(s["last_step"]), _cell(s["final_loss"], "{:.4f}"),
                  _cell(s["final_val_loss"], "{:.4f}"), best, _cell(s["median_tokens_per_s"], "{:,.0f}"),
-                 _cell(s["median_mfu"], "{:.2%}"), _cell(s["total_tokens"], "{:,}"),
-                 _params(s["params"])]
+                 _cell(vs, "{:.2f}x"), _cell(s["median_mfu"], "{:.2%}"), _cell(peak, "{:,.1f}"),
+                 _cell(s["total_tokens"], "{:,}"), _params(s["params"])]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", TOKENS_NOTE,
               "Medians are over the logged rows whose value is not NaN. Params come from the newest checkpoint's "
@@ -399,8 +411,30 @@ def summary_markdown(summaries: list[dict], metrics: dict[str, list[dict]] | Non
         if s["tokens_per_step"] is None:
             lines.append(f"- **{s['label']}**: no config.json or checkpoint metadata with batch_size and seq_len in "
                          f"`{s['run_dir']}`; the tokens axis is missing for this run (plotted against step only).")
+    differ = peaks_differ(summaries)
+    if differ:
+        lines += ["", f"**The runs' peaks differ** ({differ}): each run's MFU is against its own peak, so compare "
+                      "the runs by tokens/s (on the same hardware), not by MFU."]
     lines += metrics_markdown(metrics or {}, [s["label"] for s in summaries])
     return "\n".join(lines) + "\n"
+
+
+PEAK_TOLERANCE = 0.05  # peaks within 5% of each other count as the same
+
+
+def peaks_differ(summaries: list[dict]) -> str:
+    """Which peak each run's MFU is against, when they are not all the same (within PEAK_TOLERANCE); else "".
+    On CPU each run measures its own; runs from other machines have other peaks; a run logged before the
+    peak was recorded has none (nothing is said when no run has one)."""
+    peaks = [s["peak_per_device"] for s in summaries]
+    known = [p for p in peaks if p is not None and math.isfinite(p) and p > 0]
+    if len(summaries) < 2 or not known:
+        return ""
+    if len(known) == len(peaks) and max(known) <= min(known) * (1 + PEAK_TOLERANCE):
+        return ""
+    return "; ".join(f"{s['label']}: " + ("not recorded" if p is None else f"{p / 1e9:,.1f} GFLOP/s per device"
+                                           + (f", {s['peak_source']}" if s["peak_source"] else ""))
+                     for s, p in zip(summaries, peaks))
 
 
 def compare(runs: list[str], out: str, labels: list[str] | None = None, metrics: list[str] = ()) -> dict:
@@ -434,6 +468,9 @@ def compare(runs: list[str], out: str, labels: list[str] | None = None, metrics:
         pictures[m] = os.path.join(out, metric_file(m))
         plot_metric(loaded, m).savefig(pictures[m], dpi=110)
     summaries = [summarize(r) for r in loaded]
+    if peaks_differ(summaries):
+        print("warning: the runs' MFU are against different peaks (summary.md names them): compare them by tokens/s",
+              file=sys.stderr)
     per_metric = {m: [summarize_metric(r, m) for r in loaded] for m in chosen}
     with open(md, "w", encoding="utf-8") as f:
         f.write(summary_markdown(summaries, per_metric))
