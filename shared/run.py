@@ -325,17 +325,19 @@ class Run:
         self.run_dir = pick_run_dir(cfg, self.variant)
         self.ckpt_dir = cfg.checkpoint_dir or os.path.join(self.run_dir, "checkpoints")
         self.logger = self.saver = self.stop = self.watchdog = None
-        guard.RunLock.refuse_if_held(self.run_dir)  # another run in it: said first
-        self._open(cfg)  # every refusal (checkpoints, data, resume) before anything is written: a refused run leaves
-        self.lock = guard.RunLock(self.run_dir, self.ckpt_dir)  # no directory; one run per directory (creates it)
+        # Every refusal comes before anything is written, so that a refused run leaves no directory behind:
+        guard.RunLock.refuse_if_held(self.run_dir)  # another run in it (said first)
+        self._open(cfg)  # the checkpoint to continue, the data, the resume refusals: reads only
+        self.lock = guard.RunLock(self.run_dir, self.ckpt_dir)  # one run per directory (creates it)
         self.notes = []  # lines for the log once it is open
-        try:  # under the lock: a run that wrote checkpoints here meanwhile is not overrun
-            if find_checkpoint(cfg, self.run_dir, self.ckpt_dir) != self.checkpoint or \
-                    (self.checkpoint and checkpoint.later(self.ckpt_dir, self.start) != self.later):
-                raise TrainingError(f"the checkpoints in {self.ckpt_dir} changed while this run started (another "
-                                    f"run?); start it again")
-            if self.later and jax.process_index() == 0:  # a branch back: the abandoned future moved aside, kept
-                self.notes.append(set_aside(self.run_dir, self.ckpt_dir, self.later, self.start))
+        try:
+            if jax.process_index() == 0:  # the lock's holder; under it a run that wrote here meanwhile is not overrun
+                if find_checkpoint(cfg, self.run_dir, self.ckpt_dir) != self.checkpoint or \
+                        (self.checkpoint and checkpoint.later(self.ckpt_dir, self.start) != self.later):
+                    raise TrainingError(f"the checkpoints in {self.ckpt_dir} changed while this run started "
+                                        f"(another run?); start it again")
+                if self.later:  # a branch back: the abandoned future is moved aside, kept
+                    self.notes.append(set_aside(self.run_dir, self.ckpt_dir, self.later, self.start))
         except BaseException:
             self.lock.release()
             raise
