@@ -430,6 +430,16 @@ def all_checkpoints(directory: str) -> list[str]:
     return [d for d in _step_dirs(directory) if not verify(d)]
 
 
+def later(directory: str, step: int) -> list[str]:
+    """The committed checkpoints in `directory` after `step` (complete or damaged), oldest first: what a
+    resume from `step` would leave behind for `latest` to pick."""
+    try:
+        dirs = _step_dirs(directory)
+    except ValueError as e:
+        raise CheckpointError(f"cannot list checkpoints in {directory}: {e}") from e
+    return [d for d in dirs if int(_STEP_DIR.match(_basename(d)).group(1)) > step]
+
+
 def latest_name(directory: str) -> str:
     try:
         good = all_checkpoints(directory)

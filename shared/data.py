@@ -69,8 +69,10 @@ class DataConfig:
 
     def __post_init__(self):
         _check(isinstance(self.source, str) and self.source.strip() != "", "source", "must name a source")
-        parse_sources(self.source, self.weights)  # names, weights: each error names data.source / data.weights
-        parse_eval(self.eval)
+        named = [n for n, _, _ in parse_sources(self.source, self.weights) if n]  # each error names the field
+        clash = [n for n, _ in parse_eval(self.eval) if n in named]
+        _check(not clash, "eval", f"{clash} also name sources of data.source, whose held-out documents are "
+                                  f"evaluated as eval/<source>/ already; give the extra sets other names")
         _check(bool(self.text_field), "text_field", "must be a field name, got ''")
         _check(self.tokenizer == "" or self.tokenizer.endswith(".json"), "tokenizer",
                f"must be '' or a tokenizer .json file, got {self.tokenizer!r}")
@@ -606,10 +608,14 @@ def eval_batches(split, seq_len: int, batch: int, n_batches: int, *,
 
 def eval_sets(corpus: Corpus, seq_len: int, batch: int, n_batches: int, *,
               process_index: int = 0, process_count: int = 1) -> dict[str, EvalSet]:
-    """The evaluation sets: "" = the held-out split of the training sources (mixed by weight), then
+    """The evaluation sets: "" = the held-out split of the training sources (mixed by weight); for a mixture,
+    each source's held-out split on its own, by its name (eval/<source>/loss, as Levanter logs it); then
     every named set of data.eval."""
     kw = dict(process_index=process_index, process_count=process_count)
     out = {"": eval_set([(s.val, s.weight) for s in corpus.sources if s.weight > 0], seq_len, batch, n_batches, **kw)}
+    if len(corpus.sources) > 1:
+        for s in corpus.sources:
+            out[s.name] = eval_set([(s.val, 1.0)], seq_len, batch, n_batches, **kw)
     for name, stream in corpus.evals.items():
         out[name] = eval_set([(stream, 1.0)], seq_len, batch, n_batches, **kw)
     return out

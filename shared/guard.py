@@ -96,8 +96,7 @@ class RunLock:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 holder = self._holder()
-                here = holder is not None and holder.get("host") == me["host"]
-                if holder is None or (here and (not _alive(int(holder.get("pid", -1))) or holder["pid"] == me["pid"])):
+                if not held_by_another(holder):
                     # unreadable, left by a dead process on this host, or this process's own (an earlier
                     # main() in the same process, e.g. a notebook): take it over, atomically
                     stale = f"{self.path}.stale-{os.getpid()}"
@@ -107,10 +106,7 @@ class RunLock:
                     except FileNotFoundError:
                         pass  # another run took it over first; the next O_EXCL decides
                     continue
-                raise RunLockError(
-                    f"{run_dir} is in use by pid {holder.get('pid')} on {holder.get('host')} (since "
-                    f"{holder.get('since')}); one run per directory. If that run is gone (another host, a "
-                    f"container that was killed), delete {self.path}")
+                raise in_use(run_dir, holder)
             with os.fdopen(fd, "w") as f:
                 json.dump(me, f)
             self.held = True
@@ -120,11 +116,15 @@ class RunLock:
         raise RunLockError(f"could not take {self.path}: another run keeps taking it")
 
     def _holder(self) -> dict | None:
-        try:
-            with open(self.path) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return None
+        return lock_holder(self.path)
+
+    @staticmethod
+    def refuse_if_held(run_dir: str) -> None:
+        """Raise RunLockError if another live run holds `<run_dir>/LOCK`; reads only (a run checks this before
+        anything else, so a second run is told so first, and a refused run writes nothing)."""
+        holder = lock_holder(os.path.join(run_dir, "LOCK"))
+        if jax.process_index() == 0 and held_by_another(holder):
+            raise in_use(run_dir, holder)
 
     def release(self) -> None:
         if self.store_lock is not None:
@@ -135,6 +135,33 @@ class RunLock:
         self.held = False
         if self in _HELD:
             _HELD.remove(self)
+
+
+def lock_holder(path: str) -> dict | None:
+    """The holder a LOCK file names ({"pid", "host", "since"}), or None when there is none or it is unreadable."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def held_by_another(holder: dict | None) -> bool:
+    """Whether a lock so held is another live run's: an unreadable lock, one left by a dead process on this host
+    or this process's own (an earlier main() in the same process, e.g. a notebook) can be taken over; a lock on
+    another host never is, whatever its pid."""
+    if holder is None:
+        return False
+    me = socket.gethostname(), os.getpid()
+    if holder.get("host") != me[0]:
+        return True
+    return _alive(int(holder.get("pid", -1))) and holder.get("pid") != me[1]
+
+
+def in_use(run_dir: str, holder: dict) -> RunLockError:
+    return RunLockError(f"{run_dir} is in use by pid {holder.get('pid')} on {holder.get('host')} (since "
+                        f"{holder.get('since')}); one run per directory. If that run is gone (another host, a "
+                        f"container that was killed), delete {os.path.join(run_dir, 'LOCK')}")
 
 
 class StoreLock:

@@ -256,7 +256,11 @@ def write_model_dir(out: str, config: dict, tensors: list[Tensor], tokenizer_pat
                     max_length: int, max_shard_bytes: int, progress: bool = True) -> str:
     """A complete Hugging Face model directory at `out` (which must not exist): config.json (`config`, plus
     the eos token's id as bos/eos/pad), generation_config.json, tokenizer.json and tokenizer_config.json,
-    and the safetensors shards with their index. Written as `out.tmp` and renamed when complete."""
+    and the safetensors shards with their index. Written as `out.tmp` and renamed when complete.
+
+    `max_length` (the trained row length) goes to config.json's `max_position_embeddings` (the variant's
+    `config`) and tokenizer_config.json's `model_max_length`, never to generation_config.json: there it
+    would be a generation length that transformers' `generate(max_new_tokens=...)` warns about."""
     out = os.path.abspath(out)
     if os.path.exists(out):
         raise HFError(f"--out {out} exists; choose a new directory (an export never overwrites one)")
@@ -268,7 +272,7 @@ def write_model_dir(out: str, config: dict, tensors: list[Tensor], tokenizer_pat
     try:
         ids = {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": eos_id}
         write_json(os.path.join(tmp, "config.json"), {**config, **ids})
-        write_json(os.path.join(tmp, "generation_config.json"), {**ids, "max_length": max_length})
+        write_json(os.path.join(tmp, "generation_config.json"), ids)  # no max_length: see the docstring
         shutil.copyfile(tokenizer_path, os.path.join(tmp, "tokenizer.json"))
         # stencil adds no BOS and ends every document with eos (shared/data.py)
         write_json(os.path.join(tmp, "tokenizer_config.json"), {

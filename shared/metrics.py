@@ -2,7 +2,8 @@
 
 The run directory gets metrics.jsonl (one JSON object per logged step, keys as the loop
 names them: train/loss, eval/loss, optim/grad_norm, throughput/tokens_per_second, ...; NaN/inf
-as strings; a resumed run first drops the rows after its checkpoint's step, which it redoes) and config.json (the run's config, for tools such as tools/compare_runs.py, plus
+as strings; a resumed run first drops the rows after its checkpoint's step, which it redoes; a run that
+branches back to an earlier checkpoint first moves those rows aside, `move_rows_after`) and config.json (the run's config, for tools such as tools/compare_runs.py, plus
 what `Logger.record` adds once the run knows it: e.g. "kernels", the backend each kernel op
 took, which is decided while the first step compiles).
 
@@ -75,6 +76,27 @@ def drop_rows_after(path: str, step: int) -> int:
         f.write("".join(line + "\n" for line in keep))
     os.replace(tmp, path)
     return len(lines) - len(keep)
+
+
+def move_rows_after(path: str, step: int, to: str) -> int:
+    """Move the rows of `path` (metrics.jsonl) logged after `step` to the file `to` (a new file), then drop
+    them from `path` atomically; returns how many. The rows of an abandoned branch, kept."""
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        lines = f.read().splitlines()
+    later = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] > step:
+                later.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    if later:
+        with open(to, "x") as f:
+            f.write("".join(line + "\n" for line in later))
+        drop_rows_after(path, step)
+    return len(later)
 
 
 class Logger:

@@ -110,6 +110,7 @@ def parse_lr_mult(text: str) -> dict:
 class OptimConfig:
     schedule: str = "cosine"  # cosine (warmup + cosine to lr * min_lr_ratio) | wsd (warmup, stable, linear decay)
     decay_frac: float = 0.2  # wsd: fraction of the steps spent in the final linear decay
+    schedule_steps: int = 0  # the steps the schedule spans (0 = --steps); after them the lr stays at its final value
     lr_mult: str = ""  # per-role learning-rate multipliers, e.g. "embedding=1.2,expert_matrix=0.5"
     momentum: float = 0.95  # muon / muonh: Nesterov momentum
     ns_steps: int = 5  # muon / muonh: Newton-Schulz iterations
@@ -120,6 +121,7 @@ class OptimConfig:
     def __post_init__(self):
         _check(self.schedule in SCHEDULES, "optim.schedule", f"must be one of {SCHEDULES}, got {self.schedule!r}")
         _check(0 < self.decay_frac <= 1, "optim.decay_frac", f"must be in (0, 1], got {self.decay_frac}")
+        _check(self.schedule_steps >= 0, "optim.schedule_steps", f"must be >= 0 (0 = --steps), got {self.schedule_steps}")
         parse_lr_mult(self.lr_mult)
         _check(0 <= self.momentum < 1, "optim.momentum", f"must be in [0, 1), got {self.momentum}")
         _check(1 <= self.ns_steps <= 20, "optim.ns_steps", f"must be in [1, 20], got {self.ns_steps}")
@@ -130,7 +132,12 @@ class OptimConfig:
 
 def make_schedule(oc: OptimConfig, lr: float, steps: int, warmup: int, min_lr_ratio: float):
     """Step -> learning rate: linear warmup from 0, then cosine to lr * min_lr_ratio at `steps`, or
-    (wsd) constant lr until the last decay_frac of the steps, then linear to lr * min_lr_ratio."""
+    (wsd) constant lr until the last decay_frac of the steps, then linear to lr * min_lr_ratio. With
+    `oc.schedule_steps` > 0 the schedule spans that many steps instead of `steps` (the lr stays at its final
+    value after them): a run extended past its first `--steps` keeps the schedule it was trained with."""
+    steps = oc.schedule_steps or steps
+    _check(warmup < steps or warmup == 0, "optim.schedule_steps",
+           f"the schedule's {steps} steps end before the warmup ({warmup} steps) does")
     if oc.schedule == "cosine":
         return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, lr * min_lr_ratio)
     decay = max(1, round(oc.decay_frac * steps))

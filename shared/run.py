@@ -4,7 +4,7 @@ A variant's train.py keeps its model, its step and its loop; this module keeps t
 
     with run.Run(cfg, HERE, mesh) as r, jax.set_mesh(mesh):  # run dir, lock, resume refusals, data
         state = r.restore(abstract_state) if r.checkpoint else init(...)
-        r.begin(n_params, flops_per_token)                     # logger, saver, stop signals, watchdog, clock
+        r.begin(n_params, flops_per_token, schedule)           # logger, saver, stop signals, watchdog, clock
         for step in r.steps():                                 # start+1 .. end; opens the profiler window
             state, metrics = train_step(state, batch)
             due = r.step_done(step, metrics)                   # fetches the previous step's metrics; what is due
@@ -17,9 +17,13 @@ Each piece is a small function or class of its own, read top to bottom:
   pick_run_dir        the run directory: --run_dir, a --resume_from path's run, the newest runs/<variant>-*
                       for --resume, or a new runs/<variant>-<time>
   find_checkpoint     the checkpoint to resume from (or None), refusing a fresh run over checkpoints
+  later_branch        the checkpoints after the one a run resumes from (a branch back to an earlier step):
+                      `set_aside` moves them and their metric rows into <run_dir>/abandoned-after-<step>-<time>/
+  schedule_change     the warning when a resumed run's learning rate at its first step differs from the saved run's
   refuse_resume       every refusal that is the same for every variant: another model or data config,
                       another data stream, another optimizer, a weight average turned on or off, no steps left
-  Clock               tokens/s and MFU between log lines, less the time set aside (eval, saves, samples)
+  Clock               tokens/s and MFU between log lines, less the time set aside (eval, saves, samples); the peak
+                      MFU is against is named once at the start and kept in config.json ("peak")
   Profiler            a jax.profiler trace of the steps A..B (--profile_steps), with the compiled program's text
   Fetch               the one-step-late metric fetch: the host reads step N's metrics while step N+1 runs, and
                       a non-finite loss or gradient norm stops the run naming the last good checkpoint
@@ -36,6 +40,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass
 
@@ -106,6 +111,48 @@ def find_checkpoint(cfg, run_dir: str, ckpt_dir: str) -> str | None:
     return last
 
 
+def _local(location: str) -> str | None:
+    """The local path of a checkpoint location (a path or file://PATH); None for object storage."""
+    if location.startswith("file://"):
+        return location[len("file://"):]
+    return None if checkpoint.is_url(location) else location
+
+
+def later_branch(ckpt_dir: str, path: str, step: int) -> list[str]:
+    """The checkpoints in `ckpt_dir` after `step`, which this run (resuming from `path`, at `step`) branches
+    away from: left there, `--resume` would continue the abandoned branch from the newest of them. On a local
+    disk `set_aside` moves them aside; on object storage (where a move is a copy of every file) the run is
+    refused, saying how to branch into a new run directory instead."""
+    later = checkpoint.later(ckpt_dir, step)
+    if later and _local(ckpt_dir) is None:
+        names = ", ".join(os.path.basename(p) for p in later)
+        raise TrainingError(f"--resume_from: {ckpt_dir} holds checkpoints after step {step} ({names}), which a later "
+                            f"--resume would continue instead of this branch; on object storage they are not moved "
+                            f"aside. Branch into a new run directory: --run_dir NEW --resume_from {path} (with "
+                            f"--checkpoint_dir elsewhere than {ckpt_dir})")
+    return later
+
+
+def set_aside(run_dir: str, ckpt_dir: str, later: list[str], step: int) -> str:
+    """Move the checkpoints `later` (local, after `step`) and the rows of metrics.jsonl after `step` into a
+    new <run_dir>/abandoned-after-<step>-<time>/ (checkpoints/, metrics.jsonl); kept, never deleted. Returns
+    the line that says so."""
+    aside = os.path.join(run_dir, f"abandoned-after-{step}-{time.strftime('%Y%m%d-%H%M%S')}")
+    n = 1
+    while os.path.exists(aside + (f"-{n}" if n > 1 else "")):
+        n += 1
+    aside += f"-{n}" if n > 1 else ""
+    os.makedirs(os.path.join(aside, "checkpoints"))
+    rows = metrics.move_rows_after(os.path.join(run_dir, "metrics.jsonl"), step, os.path.join(aside, "metrics.jsonl"))
+    names = []
+    for path in later:
+        names.append(os.path.basename(path))
+        shutil.move(os.path.join(_local(ckpt_dir), names[-1]), os.path.join(aside, "checkpoints", names[-1]))
+    return (f"branching back to step {step}: the later checkpoints ({', '.join(names)}) and the {rows} metric rows "
+            f"after step {step} were moved aside to {aside} (kept: delete it when it is no longer wanted); "
+            f"--resume continues this branch")
+
+
 def data_stream(cfg, corpus) -> dict:
     """What decides the data a step sees and what its token ids mean: saved with every checkpoint."""
     return {"corpus": corpus.digest, "tokenizer": corpus.tokenizer_digest, "seq_len": cfg.seq_len}
@@ -137,6 +184,34 @@ def refuse_resume(cfg, meta: dict, stream: dict, path: str) -> None:
     if meta["step"] >= (cfg.stop_at or cfg.steps):
         raise TrainingError(f"--resume: {path} is at step {meta['step']}, and this run ends at step "
                             f"{cfg.stop_at or cfg.steps} (--steps / --stop_at): nothing to train")
+
+
+SCHEDULE_FIELDS = ("lr", "steps", "warmup_steps", "min_lr_ratio", "optim.schedule", "optim.decay_frac",
+                   "optim.schedule_steps")
+
+
+def schedule_change(cfg, meta: dict, lr_now: float, step: int) -> str | None:
+    """The warning when this run's learning rate for the step after `step` (`lr_now`) differs from the one the
+    checkpoint's run would have used (its metadata's `next_learning_rate`), naming the settings that changed;
+    None when they agree (or the checkpoint predates the record)."""
+    saved = meta.get("next_learning_rate")
+    if saved is None or math.isclose(saved, lr_now, rel_tol=1e-5, abs_tol=1e-12):
+        return None
+    was, now = meta["config"], dataclasses.asdict(cfg)
+
+    def get(d, name):
+        part, _, field = name.rpartition(".")
+        return (d.get(part, {}) if part else d).get(field)
+    changed = [k for k in SCHEDULE_FIELDS if get(was, k) != get(now, k)]
+    text = (f"warning: the learning-rate schedule changed at the resumed step {step}: step {step + 1} was to run at "
+            f"lr {saved:.3g} and runs at {lr_now:.3g} "
+            f"({', '.join(f'--{k} {get(was, k)} -> {get(now, k)}' for k in changed) or 'another schedule'})")
+    if changed == ["steps"]:  # an extended (or shortened) run: the schedule is computed from --steps
+        text += (f". The schedule spans --steps, so extending a run reshapes it: to keep the saved one pass "
+                 f"--optim.schedule_steps {get(was, 'optim.schedule_steps') or get(was, 'steps')}; for a fresh decay, "
+                 f"train with --optim.schedule wsd and resume from a checkpoint of its stable phase "
+                 f"(docs/train-loop.md, 'Extending a run')")
+    return text
 
 
 def profile_range(cfg) -> tuple[int, int] | None:
@@ -249,15 +324,26 @@ class Run:
         self.cfg, self.mesh, self.variant = cfg, mesh, os.path.basename(os.path.abspath(folder))
         self.run_dir = pick_run_dir(cfg, self.variant)
         self.ckpt_dir = cfg.checkpoint_dir or os.path.join(self.run_dir, "checkpoints")
-        self.lock = guard.RunLock(self.run_dir, self.ckpt_dir)  # one run per directory: a second is refused
         self.logger = self.saver = self.stop = self.watchdog = None
+        # Every refusal comes before anything is written, so that a refused run leaves no directory behind:
+        guard.RunLock.refuse_if_held(self.run_dir)  # another run in it (said first)
+        self._open(cfg)  # the checkpoint to continue, the data, the resume refusals: reads only
+        self.lock = guard.RunLock(self.run_dir, self.ckpt_dir)  # one run per directory (creates it)
+        self.notes = []  # lines for the log once it is open
         try:
-            self._open(cfg)
+            if jax.process_index() == 0:  # the lock's holder; under it a run that wrote here meanwhile is not overrun
+                if find_checkpoint(cfg, self.run_dir, self.ckpt_dir) != self.checkpoint or \
+                        (self.checkpoint and checkpoint.later(self.ckpt_dir, self.start) != self.later):
+                    raise TrainingError(f"the checkpoints in {self.ckpt_dir} changed while this run started "
+                                        f"(another run?); start it again")
+                if self.later:  # a branch back: the abandoned future is moved aside, kept
+                    self.notes.append(set_aside(self.run_dir, self.ckpt_dir, self.later, self.start))
         except BaseException:
             self.lock.release()
             raise
 
     def _open(self, cfg) -> None:
+        """Find the checkpoint, open the data, refuse a resume that does not fit: reads only, writes nothing."""
         self.checkpoint = find_checkpoint(cfg, self.run_dir, self.ckpt_dir)
         self.tokenizer_file = os.path.join(self.run_dir, "tokenizer.json")
         data_cfg = cfg.data
@@ -272,9 +358,10 @@ class Run:
                                     process_index=p, process_count=n)
         self.start, self.end = 0, cfg.stop_at or cfg.steps
         if self.checkpoint:
-            meta = checkpoint.read_metadata(self.checkpoint)
+            self.meta = meta = checkpoint.read_metadata(self.checkpoint)
             refuse_resume(cfg, meta, self.stream, self.checkpoint)
             self.start = meta["step"]
+        self.later = later_branch(self.ckpt_dir, self.checkpoint, self.start) if self.checkpoint else []
 
     def __enter__(self):
         return self
@@ -297,11 +384,12 @@ class Run:
         self.loader.restore(meta["loader"])
         return state
 
-    def begin(self, n_params: int, flops_per_token: float) -> None:
+    def begin(self, n_params: int, flops_per_token: float, schedule) -> None:
         """Start logging (metrics.jsonl, wandb, the bar), the saver, the stop signals and the watchdog, and write
-        the run's first line."""
+        the run's first line. `schedule`: step -> learning rate, the optimizer's (its value after each saved step
+        is recorded with the checkpoint, and a resume whose schedule differs there says so)."""
         cfg, mesh = self.cfg, self.mesh
-        self.flops_per_token = flops_per_token
+        self.flops_per_token, self.schedule = flops_per_token, schedule
         self.peak, self.peak_src = flops.device_peak(cfg.model.compute_dtype)
         self.clock = Clock(cfg.batch_size * cfg.seq_len)
         self.logger = metrics.Logger(self.run_dir, dataclasses.asdict(cfg), total_steps=self.end, wandb_mode=cfg.wandb,
@@ -312,6 +400,13 @@ class Run:
         self.write(f"{self.variant}: {n_params / 1e6:.2f}M params, {flops_per_token / 1e6:.1f} MFLOP/token, mesh "
                    f"{dict(mesh.shape)}, {cfg.batch_size * cfg.seq_len} tokens/step, steps {self.start}->{self.end}, "
                    f"run dir {self.run_dir}")
+        # the peak MFU is against: said once, and kept in config.json (tools/compare_runs.py compares runs' peaks)
+        self.write(f"MFU is against {self.peak / 1e9:,.1f} GFLOP/s per device: {self.peak_src}")
+        self.logger.record("peak", {"per_device": self.peak, "source": self.peak_src})
+        if self.checkpoint:
+            self.notes.append(schedule_change(cfg, self.meta, float(schedule(self.start)), self.start))
+        for note in filter(None, self.notes):
+            self.write(note)
         self.saver = checkpoint.Saver()  # asynchronous saves, one in flight
         self.stop = guard.StopSignals()  # SIGTERM / SIGINT / SIGUSR1: finish the step, save, exit 75
         self.watchdog = guard.Watchdog(cfg.watchdog_s, self.run_dir)
@@ -380,20 +475,21 @@ class Run:
         self.logger.log(step, row)
         text = {label: format(row[k], f) for k, (label, f) in shown.items() if k in row}
         self.logger.progress(step, **text)
-        self.write(f"step {step:6d}  " + "  ".join(f"{k} {v}" for k, v in text.items()) + f"  ({self.peak_src})")
+        self.write(f"step {step:6d}  " + "  ".join(f"{k} {v}" for k, v in text.items()))
 
     def save(self, step: int, state) -> str:
         """Save asynchronously (the loop waits for the host copy only) with what a resume needs."""
         meta = {"config": dataclasses.asdict(self.cfg), "loader": self.loader.state(), "variant": self.variant,
-                "stream": self.stream}
+                "stream": self.stream, "next_learning_rate": float(self.schedule(step))}  # the lr of step + 1
         with self.clock.aside():
             self.saved = self.saver.save(self.ckpt_dir, step, state, meta, keep=self.cfg.keep_checkpoints)
         return self.saved
 
     def evaluate(self, eval_batch) -> dict:
-        """eval/loss of the held-out rows and eval/<name>/loss of every named set (--data.eval), each with its
-        bits per byte (eval/bpb, eval/<name>/bpb) when the set's text is known. `eval_batch(rows)` gives
-        (summed loss, tokens) of one batch of host rows. Not counted in tokens/s."""
+        """eval/loss of the held-out rows, eval/<source>/loss of each source of a mixture and eval/<name>/loss of
+        every named set (--data.eval), each with its bits per byte (eval/bpb, eval/<name>/bpb) when the set's
+        text is known. `eval_batch(rows)` gives (summed loss, tokens) of one batch of host rows. Not counted in
+        tokens/s."""
         row = {}
         with self.clock.aside():
             for name, s in self.evals.items():

@@ -231,3 +231,38 @@ def test_ci_time_limits_are_the_ones_the_docs_state():
     jobs = dict(re.findall(r"\n  ([\w-]+):\n(?:    [^\n]*\n)*?    timeout-minutes: (\d+)", ci))
     assert stated and stated == {k: v for k, v in jobs.items() if k in stated}, (stated, jobs)
     assert not re.search(r"\d+ min", text("pyproject.toml")), "pyproject.toml states a time: say it in docs/testing.md"
+
+
+# ---------------------------------------------------------------- what the docs promise about inputs and exports
+
+def test_the_text_inputs_the_docs_list_are_the_accepted_ones():
+    """docs/data.md's inputs and README.md's `--data.source` comment list exactly shared/sources.TEXT_EXTS."""
+    from shared.sources import TEXT_EXTS
+
+    inputs = re.search(r"\*\*Inputs\*\*:(.*?)each input file", text("docs/data.md"), re.S).group(1)
+    assert sorted(re.findall(r"`(\.[\w.]+)`", inputs)) == sorted(TEXT_EXTS), inputs
+    listed = re.search(r"your text \(([^)]*)\)", text("README.md")).group(1).split()
+    expanded = []
+    for s in listed:  # .jsonl[.gz|.zst] stands for .jsonl, .jsonl.gz, .jsonl.zst
+        m = re.match(r"^([\w.]+)\[(.*)\]$", s)
+        expanded += [m.group(1)] + [m.group(1) + x for x in m.group(2).split("|")] if m else [s]
+    assert sorted(expanded) == sorted(TEXT_EXTS), listed
+
+
+def test_a_variant_without_hf_py_says_so_in_its_readme():
+    """A variant folder with no hf.py has no Hugging Face export: its README says so and why (a section
+    that names the closest transformers class), and docs/huggingface.md's table has its row."""
+    table = text("docs/huggingface.md")
+    bad = []
+    for folder in [f for f in discover() if f.startswith("variants/")]:
+        if os.path.isfile(os.path.join(ROOT, folder, "hf.py")):
+            continue
+        name, readme = os.path.basename(folder), os.path.join(folder, "README.md")
+        section = re.search(r"\n## Hugging Face\n(.*?)(\n## |\Z)", text(readme), re.S) \
+            if os.path.isfile(os.path.join(ROOT, readme)) else None
+        if not (section and "no Hugging Face export" in section.group(1)
+                and re.search(r"`\w+ForCausalLM`", section.group(1)) and "docs/huggingface.md" in section.group(1)):
+            bad.append(f"{readme}: no '## Hugging Face' section saying there is no Hugging Face export and why")
+        if f"| `{name}` | none |" not in table:
+            bad.append(f"docs/huggingface.md: no row for {name}")
+    assert not bad, bad

@@ -19,6 +19,7 @@ import refuses, its layer pattern) go in its own tests/test_<folder>.py (AGENTS.
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -226,6 +227,17 @@ def test_import_a_transformers_model_and_train_from_it(folder, tmp_path, tokeniz
             np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+class Collect(logging.Handler):
+    """The messages of a logger, as they are logged."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record.getMessage())
+
+
 @HF
 @pytest.mark.parametrize("folder", FOLDERS, ids=NAMES)
 def test_greedy_generation_matches_transformers(folder, tmp_path, tokenizer_file):
@@ -238,8 +250,14 @@ def test_greedy_generation_matches_transformers(folder, tmp_path, tokenizer_file
         out = hf.export_params(params, cfg, str(tmp_path / "hf"), tokenizer_file, max_length=64, progress=False)
         cached = generate.generate(hf.model, params, cfg, [prompt], mesh=mesh(1, 1), max_new_tokens=n_new)[0].tokens
     m = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager", dtype=torch.float32)
-    theirs = m.generate(torch.tensor([prompt]), max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
-                        eos_token_id=None, pad_token_id=0)[0].tolist()
+    warned = Collect()
+    logging.getLogger("transformers").addHandler(warned)  # transformers' loggers end there
+    try:
+        theirs = m.generate(torch.tensor([prompt]), max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0].tolist()
+    finally:
+        logging.getLogger("transformers").removeHandler(warned)
+    assert not [r for r in warned.records if "max_length" in r], warned.records  # none in generation_config.json
     assert prompt + cached == theirs, "decoding with the cache (shared/generate.py) differs from transformers' generate"
 
 

@@ -107,6 +107,22 @@ def test_a_preempted_run_resumes_from_the_bucket_bit_exactly(bucket, tiny_dense,
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_branching_back_on_object_storage_is_refused_with_the_way_to_branch(bucket, tiny_dense, tmp_path):
+    """A checkpoint directory on a bucket is not rearranged: a --resume_from that would leave later
+    checkpoints behind is refused, naming them and how to branch into a new run directory; that works."""
+    run = tmp_path / "run"
+    train.main(tiny_dense.config(run, save_every=2, stop_at=4, checkpoint_dir=bucket, **END_ONLY))
+    before = keys(bucket)
+    with pytest.raises(train.run.TrainingError, match=r"after step 2 \(step_00000004\).*--run_dir NEW --resume_from "
+                                                      rf"{bucket}/step_00000002"):
+        train.main(tiny_dense.config(run, save_every=2, resume_from="2", checkpoint_dir=bucket, **END_ONLY))
+    assert keys(bucket) == before and not [d for d in os.listdir(run) if d.startswith("abandoned")]
+    other = bucket.rsplit("/", 2)[0] + "/branch/checkpoints"
+    out = train.main(tiny_dense.config(tmp_path / "branch", save_every=0, resume_from=f"{bucket}/step_00000002",
+                                       checkpoint_dir=other, **END_ONLY))
+    assert sorted(out["losses"]) == [3, 4, 5, 6] and checkpoint.latest(other).endswith("step_00000006")
+
+
 @pytest.fixture(scope="module")
 def straight_run(tiny_dense, tmp_path_factory):
     """The 500-step schedule run straight to step 12, never stopped, checkpoints local."""

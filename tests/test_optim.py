@@ -270,7 +270,8 @@ def test_ema_update():
 @pytest.mark.parametrize("field,value", [("schedule", "linear"), ("decay_frac", 0.0), ("decay_frac", 1.5),
                                          ("lr_mult", "embedding"), ("lr_mult", "nonsense=1"), ("lr_mult", "norm=-1"),
                                          ("lr_mult", "norm=1,norm=2"), ("momentum", 1.0), ("ns_steps", 0),
-                                         ("muon_rms", 0.0), ("eps", 0.0), ("ema", 1.0), ("ema", -0.1)])
+                                         ("muon_rms", 0.0), ("eps", 0.0), ("ema", 1.0), ("ema", -0.1),
+                                         ("schedule_steps", -1)])
 def test_config_rejects(field, value):
     with pytest.raises(optim.OptimError, match=f"optim.{field}"):
         optim.OptimConfig(**{field: value})

@@ -5,6 +5,7 @@ file:// (the object-store URL path through tensorstore's kvstore)."""
 import gzip
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -122,6 +123,16 @@ def test_input_formats_give_the_same_tokens(tmp_path, tok_file):
     assert store["n_docs"] == 1
 
 
+def test_the_tokenizing_bar_counts_documents(tmp_path, tok_file, capsys):
+    """The bar train.py shows while its text is tokenized: one bar, its total the number of documents, unit doc."""
+    src = write_corpus(tmp_path, n_docs=70)  # more than one batch of 64
+    load_corpus(DataConfig(source=str(src / "*.txt"), tokenizer=tok_file, cache_dir=str(tmp_path / "c")), VOCAB,
+                progress=True)
+    renders = [r.strip() for r in capsys.readouterr().err.replace("\r", "\n").splitlines() if "tokenizing" in r]
+    assert renders and all(re.search(r"\| \d+/70 \[[^\]]*(\?|\d)doc/s\]$", r) for r in renders), renders
+    assert renders[-1].startswith("tokenizing: 100%") and " 70/70 [" in renders[-1]
+
+
 # ---------------------------------------------------------------- the loader over stores
 
 def in_memory(cfg, tok_path):
@@ -221,6 +232,27 @@ def test_same_global_batch_with_1_2_4_processes(tmp_path, tok_file, mixture):
         assert all(e.tokens == ev.tokens and e.bytes == ev.bytes for e in evp)
         assert_batches_equal([{k: np.concatenate([e.batches[j][k] for e in evp]) for k in ev.batches[0]}
                               for j in range(2)], ev.batches)
+
+
+def test_a_mixture_evaluates_each_source_on_its_own(tmp_path, tok_file):
+    """A mixture's evaluation sets: the mixed held-out rows (eval/loss), then each source's held-out rows alone
+    under its name (eval/<source>/...), then the named --data.eval sets; a --data.eval name that is a source's
+    is refused."""
+    src, other = write_corpus(tmp_path, n_docs=50), write_corpus(tmp_path, n_docs=30, name="other")
+    pretokenize.run([str(src / "*.txt")], str(tmp_path / "s"), tokenizer=tok_file, workers=1, progress=False)
+    corpus = load_corpus(DataConfig(source=f"p={tmp_path / 's'}@0.6,q={other / '*.txt'}@0.4", tokenizer=tok_file,
+                                    eval=f"extra={src / 'doc00*.txt'}", cache_dir=str(tmp_path / "c")), VOCAB)
+    sets = data.eval_sets(corpus, 12, 8, 2)
+    assert list(sets) == ["", "p", "q", "extra"]
+    for s in corpus.sources:  # each source's own held-out rows, all of the batch
+        alone = eval_set([(s.val, 1.0)], 12, 8, 2)
+        assert_batches_equal(sets[s.name].batches, alone.batches)
+        assert sets[s.name].tokens == alone.tokens > 0 and sets[s.name].bytes == alone.bytes > 0
+    assert not np.array_equal(sets["p"].batches[0]["tokens"], sets["q"].batches[0]["tokens"])
+    single = data.eval_sets(load_corpus(DataConfig(source=str(tmp_path / "s"), tokenizer=tok_file), VOCAB), 12, 8, 2)
+    assert list(single) == [""]  # one source: its held-out rows are eval/loss itself
+    with pytest.raises(DataError, match=r"data.eval: \['q'\] also name sources"):
+        DataConfig(source="p=a.txt,q=b.txt", eval="q=c.txt")
 
 
 def test_bits_per_byte_of_a_known_case():
@@ -401,7 +433,8 @@ def test_train_resumes_a_mixture_bit_exactly_and_logs_named_eval_sets(small_corp
     rows = [json.loads(line) for line in open(tmp_path / "a" / "metrics.jsonl")]
     last = rows[-1]
     assert {"eval/loss", "eval/bpb", "eval/held/loss", "eval/held/bpb"} <= set(last)
-    assert 0 < last["eval/held/bpb"] < 20
+    assert {"eval/s/loss", "eval/s/bpb", "eval/py/loss", "eval/py/bpb"} <= set(last)  # each source, by default
+    assert 0 < last["eval/held/bpb"] < 20 and 0 < last["eval/s/bpb"] < 20 and 0 < last["eval/py/bpb"] < 20
     from shared import checkpoint
     meta = checkpoint.read_metadata(checkpoint.latest(str(tmp_path / "b" / "checkpoints")))
     assert meta["loader"]["weights"] == {"s": 0.25, "py": 0.75} and meta["loader"]["step"] == 4

@@ -3,6 +3,7 @@ counts, gradient accumulation, early config errors, clear data errors, NaN handl
 kernels a run used in its config.json, and a default warmup that fits any run length."""
 
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from shared import checkpoint, data, run
+from shared import checkpoint, data, flops, run
 from shared.variant import ROOT, load
 
 from helpers import arrays  # noqa: E402  (tests/helpers.py)
@@ -123,11 +124,18 @@ def test_warmup_default_fits_any_run_length():
             train.TrainConfig(steps=steps, warmup_steps=warmup)
 
 
-def test_config_json_records_the_kernels_the_step_used(tiny_dense, tmp_path):
-    """Which backend each kernel op took (chosen while the first step compiled) is in the run's config.json."""
+def test_config_json_records_the_kernels_the_step_used(tiny_dense, tmp_path, capsys):
+    """Which backend each kernel op took (chosen while the first step compiled) is in the run's config.json; so is
+    the peak MFU is against, which the log names once at the start (not on every line)."""
     train.main(tiny_dense.config(tmp_path, steps=2, save_every=0, eval_every=2))
+    out = capsys.readouterr().out
     with open(tmp_path / "config.json") as f:
-        used = json.load(f)["kernels"]
+        recorded = json.load(f)
+    peak, src = flops.device_peak()
+    assert recorded["peak"] == {"per_device": peak, "source": src} and "fp32 matmul measured at start" in src
+    assert [line for line in out.splitlines() if "GFLOP/s" in line] == \
+        [f"MFU is against {peak / 1e9:,.1f} GFLOP/s per device: {src}"]  # once, not on every step's line
+    used = recorded["kernels"]
     assert {"attention", "cross_entropy", "rms_norm"} <= set(used), used
     assert "q(8, 32, 4, 16) window=None" in used["attention"]["reference"], used  # CPU: the reference
 
@@ -142,6 +150,83 @@ def test_missing_or_empty_data_path(tmp_path):
                             run_dir=str(tmp_path / "run2"), wandb="disabled")
     with pytest.raises(data.DataError, match="empty"):
         train.main(cfg)
+
+
+def test_a_refused_run_leaves_nothing_on_disk(tiny_dense, tmp_path, monkeypatch):
+    """Every refusal comes before anything is written: no empty run directory, no LOCK left behind."""
+    monkeypatch.chdir(tmp_path)  # the default run directory, runs/dense-<time>, would be made here
+    nowhere = data.DataConfig(source=str(tmp_path / "nowhere" / "*.txt"))
+    for run_dir in ("", str(tmp_path / "r1")):
+        with pytest.raises(data.DataError, match="nowhere"):
+            train.main(tiny_dense.config(run_dir, data=nowhere))
+    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint .*step_00000007"):
+        train.main(tiny_dense.config(tmp_path / "r2", resume_from="7"))
+    with pytest.raises(run.TrainingError, match="no complete checkpoint"):
+        train.main(tiny_dense.config(tmp_path / "r3", resume=True))
+    assert sorted(os.listdir(tmp_path)) == []
+    # a run that exists: a refused resume adds nothing to it (no lock, no rows, no config)
+    train.main(tiny_dense.config(tmp_path / "r4", steps=2, save_every=0, eval_every=0))
+    before = sorted(os.listdir(tmp_path / "r4"))
+    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint"):
+        train.main(tiny_dense.config(tmp_path / "r4", steps=4, resume_from="1"))
+    with pytest.raises(data.DataError, match="nowhere"):
+        train.main(tiny_dense.config(tmp_path / "r4", steps=4, resume=True, data=nowhere))
+    assert sorted(os.listdir(tmp_path / "r4")) == before and "LOCK" not in before
+
+
+def test_branching_back_moves_the_abandoned_future_aside(tiny_dense, tmp_path, capsys):
+    """--resume_from an earlier step of the same run directory: the later checkpoints and their metric rows
+    go into a named folder (kept), so --resume continues the chosen branch and metrics.jsonl is one history.
+    (The tiny run's schedule, steps=6, throughout: the step other tests compiled.)"""
+    run = functools.partial(tiny_dense.config, tmp_path, save_every=2, eval_every=0)
+    train.main(run(stop_at=4))  # checkpoints 2, 4
+    old_rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    branch = train.main(run(resume_from="2", stop_at=3))  # the branch: 3, saved at 3
+    assert sorted(branch["losses"]) == [3]
+    [aside] = [d for d in os.listdir(tmp_path) if d.startswith("abandoned-after-2-")]
+    assert f"moved aside to {tmp_path / aside}" in capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path / aside / "checkpoints")) == ["step_00000004"]
+    assert checkpoint.read_metadata(str(tmp_path / aside / "checkpoints" / "step_00000004"))["step"] == 4
+    assert [os.path.basename(c) for c in checkpoint.all_checkpoints(str(tmp_path / "checkpoints"))] == \
+        ["step_00000002", "step_00000003"]
+    moved = [json.loads(line) for line in (tmp_path / aside / "metrics.jsonl").read_text().splitlines()]
+    assert moved == [r for r in old_rows if r["step"] > 2]  # the abandoned branch's rows, as they were
+    # --resume continues the branch (from 3, not the abandoned 4); metrics.jsonl holds one history
+    resumed = train.main(run(resume=True))
+    assert sorted(resumed["losses"]) == [4, 5, 6]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert rows[:2] == old_rows[:2] and {r["step"]: r["train/loss"] for r in rows[2:]} == \
+        {**branch["losses"], **resumed["losses"]}
+
+
+def test_extending_a_run_says_how_its_schedule_changes(tiny_dense, tmp_path, capsys):
+    """--steps 6 -> 8 on a finished run recomputes the cosine: the resume names the old and the new learning
+    rate of its first step; --optim.schedule_steps keeps the saved schedule (no warning)."""
+    six, eight = tiny_dense.config(tmp_path, save_every=0), tiny_dense.config(tmp_path, steps=8, save_every=0)
+    old, new = train.make_optimizer(six)[1], train.make_optimizer(eight)[1]
+    train.main(six)
+    meta = checkpoint.read_metadata(checkpoint.latest(str(tmp_path / "checkpoints")))
+    assert meta["next_learning_rate"] == pytest.approx(float(old(6)), rel=1e-6)  # what step 7 would have used
+    capsys.readouterr()
+    resume = dataclasses.replace(eight, resume=True)
+    with run.Run(resume, train.HERE, train.make_mesh(resume)) as r:  # the resume up to its first step (no compile)
+        r.begin(1, 1.0, new)
+    out = capsys.readouterr().out
+    assert (f"warning: the learning-rate schedule changed at the resumed step 6: step 7 was to run at lr "
+            f"{float(old(6)):.3g} and runs at {float(new(6)):.3g} (--steps 6 -> 8). The schedule spans --steps") in out
+    assert "--optim.schedule_steps 6" in out and float(new(6)) != pytest.approx(float(old(6)))
+    # the saved schedule kept: the same lr at every step of the first 6, its final value after them
+    keep = tiny_dense.config(tmp_path, steps=8, optim=dataclasses.replace(six.optim, schedule_steps=6))
+    kept = train.make_optimizer(keep)[1]
+    assert [float(kept(s)) for s in range(9)] == [float(old(s)) for s in range(7)] + [float(old(6))] * 2
+    assert run.schedule_change(keep, meta, float(kept(6)), 6) is None
+    assert "(--lr 0.003 -> 0.001)" in run.schedule_change(dataclasses.replace(six, lr=1e-3), meta, 1e-4, 6)
+    # a fresh decay: WSD's stable phase does not depend on --steps, so a resume from it with more steps agrees
+    wsd = [tiny_dense.config(tmp_path, steps=n, optim=dataclasses.replace(six.optim, schedule="wsd")) for n in (20, 40)]
+    w20, w40 = (train.make_optimizer(c)[1] for c in wsd)
+    stable = {"next_learning_rate": float(w20(16)), "config": dataclasses.asdict(wsd[0])}
+    assert run.schedule_change(wsd[1], stable, float(w40(16)), 16) is None and float(w40(16)) == pytest.approx(six.lr)
 
 
 def poison(monkeypatch, at: int, metrics: tuple = ()):

@@ -112,8 +112,9 @@ def make_mesh(cfg: TrainConfig, devices=None):
 
 
 def warmup(cfg: TrainConfig) -> int:
-    """Warmup steps: `warmup_steps`, or for -1 min(20, steps // 10), which is below `steps` for any run length."""
-    return cfg.warmup_steps if cfg.warmup_steps >= 0 else min(20, cfg.steps // 10)
+    """Warmup steps: `warmup_steps`, or for -1 min(20, n // 10) for a schedule of n steps (`steps`, or
+    `optim.schedule_steps` when set), which is below n for any run length."""
+    return cfg.warmup_steps if cfg.warmup_steps >= 0 else min(20, (cfg.optim.schedule_steps or cfg.steps) // 10)
 
 
 def make_optimizer(cfg: TrainConfig):
@@ -227,7 +228,7 @@ def main(cfg: TrainConfig) -> dict:
         else:
             state = jax.jit(lambda k: init_state(cfg, optimizer, k))(key)
         train_step, eval_step = make_train_step(cfg, optimizer, schedule), make_eval_step(cfg)
-        r.begin(model.num_params(cfg.model), model.flops_per_token(cfg.model, cfg.seq_len))  # logger, saver, signals
+        r.begin(model.num_params(cfg.model), model.flops_per_token(cfg.model, cfg.seq_len), schedule)  # logger, saver, ...
 
         for step in r.steps():
             batch = to_device(r.loader.next(), mesh, (cfg.grad_accum,))
