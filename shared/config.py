@@ -122,5 +122,5 @@ TRAIN_FIELDS: dict[str, Rule] = {
 RUN_FIELDS: dict[str, Rule] = {
     "log_every": positive, "save_every": at_least(0), "keep_checkpoints": positive, "run_dir": path,
     "checkpoint_dir": lambda v: v and objstore.location_error(v) or None, "resume_from": step_or_path,
-    "watchdog_s": at_least(0), "wandb": one_of("auto", "online", "offline", "disabled"),
+    "watchdog_s": at_least(0), "wandb": one_of("auto", "online", "offline", "disabled"), "lm_eval_limit": at_least(0),
 }
