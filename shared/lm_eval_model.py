@@ -81,29 +81,39 @@ def _need_lm_eval() -> None:
 _MANAGERS: dict = {}
 
 
-def task_manager(include: str = ""):
-    """lm-eval's TaskManager over its own tasks and the YAMLs under `include` (built once per folder), after
-    every YAML there has been parsed: lm-eval itself skips a file it cannot parse without a word."""
-    _need_lm_eval()
-    from lm_eval.tasks import TaskManager
+def _parse_task_files(include: str) -> None:
+    """Parse every YAML under `include`, naming the first that fails: lm-eval itself skips such a file without
+    a word, and the task it held would then be reported as unknown."""
     from lm_eval.tasks._yaml_loader import load_yaml
 
-    if include not in _MANAGERS:
-        if include:
-            if not os.path.isdir(include):
-                raise LMEvalError(f"--include_path {include}: not a directory of task YAMLs")
-            files = sorted(glob.glob(os.path.join(include, "**", "*.yaml"), recursive=True))
-            if not files:
-                raise LMEvalError(f"--include_path {include}: no .yaml task files in it")
-            for path in files:
-                try:
-                    cfg = load_yaml(path, resolve_func=False, recursive=True)
-                except Exception as e:
-                    raise LMEvalError(f"task file {path} does not parse: {type(e).__name__}: {e}") from e
-                if not isinstance(cfg, dict) or not any(k in cfg for k in ("task", "group", "tag", "include")):
-                    raise LMEvalError(f"task file {path} is not an lm-eval task: it names no task, group or tag")
-        _MANAGERS[include] = TaskManager(include_path=include or None)
-    return _MANAGERS[include]
+    if not os.path.isdir(include):
+        raise LMEvalError(f"--include_path {include}: not a directory of task YAMLs")
+    files = sorted(glob.glob(os.path.join(include, "**", "*.yaml"), recursive=True))
+    if not files:
+        raise LMEvalError(f"--include_path {include}: no .yaml task files in it")
+    for path in files:
+        try:
+            cfg = load_yaml(path, resolve_func=False, recursive=True)
+        except Exception as e:
+            raise LMEvalError(f"task file {path} does not parse: {type(e).__name__}: {e}") from e
+        if not isinstance(cfg, dict) or not any(k in cfg for k in ("task", "group", "tag", "include")):
+            raise LMEvalError(f"task file {path} is not an lm-eval task: it names no task, group or tag")
+
+
+def task_manager(include: str = "", names=()):
+    """lm-eval's TaskManager over the YAMLs under `include` and, unless every name in `names` is one of those,
+    lm-eval's own tasks too (indexing lm-eval's thousands of task files takes seconds). Built once each."""
+    _need_lm_eval()
+    from lm_eval.tasks import TaskManager
+
+    if include and (include, False) not in _MANAGERS:
+        _parse_task_files(include)
+        _MANAGERS[include, False] = TaskManager(include_path=include, include_defaults=False)
+    if include and names and all(_MANAGERS[include, False].match_tasks([n]) for n in names):
+        return _MANAGERS[include, False]
+    if (include, True) not in _MANAGERS:
+        _MANAGERS[include, True] = TaskManager(include_path=include or None)
+    return _MANAGERS[include, True]
 
 
 def check_tasks(tasks: str, include: str = "") -> list[str]:
@@ -113,10 +123,9 @@ def check_tasks(tasks: str, include: str = "") -> list[str]:
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     if not names:
         raise LMEvalError("no tasks: give --tasks NAME[,NAME...]")
-    tm = task_manager(include)
-    known = set(tm.all_tasks)
+    tm = task_manager(include, names)
     for name in names:
-        if name not in known and not tm.match_tasks([name]):
+        if not tm.match_tasks([name]):
             near = difflib.get_close_matches(name, tm.all_tasks, n=5)
             where = f" or under {include}" if include else " (task YAMLs of your own: --include_path DIR)"
             raise LMEvalError(f"unknown lm-eval task {name!r}: not one of lm-eval's tasks{where}"
@@ -241,7 +250,7 @@ def run_tasks(lm, tasks: list[str], *, limit: int = 0, include: str = "", log_sa
     """lm-eval's simple_evaluate of `tasks` with `lm` (every process calls it: see the module docstring)."""
     from lm_eval import evaluator
 
-    return evaluator.simple_evaluate(model=lm, tasks=tasks, limit=limit or None, task_manager=task_manager(include),
+    return evaluator.simple_evaluate(model=lm, tasks=tasks, limit=limit or None, task_manager=task_manager(include, tasks),
                                      log_samples=log_samples, bootstrap_iters=bootstrap_iters)
 
 
@@ -327,7 +336,7 @@ def run(args) -> int:
     from lm_eval import evaluator, utils
 
     results = evaluator.simple_evaluate(model=lm, tasks=tasks, limit=args.limit or None,
-                                        num_fewshot=args.num_fewshot, task_manager=task_manager(args.include_path),
+                                        num_fewshot=args.num_fewshot, task_manager=task_manager(args.include_path, tasks),
                                         log_samples=args.log_samples)
     if jax.process_index() != 0:
         return 0
