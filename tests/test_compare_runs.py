@@ -184,3 +184,45 @@ def test_logger_writes_config_json(tmp_path):
     metrics.Logger(str(tmp_path / "p1"), {"batch_size": 4}, total_steps=1, wandb_mode="disabled",
                    process_index=1).close()
     assert not (tmp_path / "p1").exists()
+
+
+def test_any_logged_metric_is_plotted_and_summarized(tmp_path, capsys):
+    """--metric: eval/bpb (how runs with different tokenizers compare), a named set's by pattern, a probe."""
+    a = write_run(tmp_path / "a", [row(10, 5.0) | {"eval/bpb": 2.0, "eval/code/bpb": 1.5},
+                                   row(20, 4.0) | {"eval/bpb": 1.6, "eval/code/bpb": 1.7, "probe/acc": 0.25},
+                                   row(20, 4.1) | {"eval/bpb": 1.8, "eval/code/bpb": 1.4, "probe/acc": 0.5}],
+                  {"batch_size": 2, "seq_len": 4})
+    b = write_run(tmp_path / "b", [row(10, 5.5) | {"eval/bpb": "nan"}, row(20, 4.5) | {"eval/bpb": 1.9}])
+    runs = [cr.load_run(a, "a"), cr.load_run(b, "b")]
+    assert cr.expand_metrics(runs, ["eval/bpb", "eval/*/bpb", "eval/bpb"]) == ["eval/bpb", "eval/code/bpb"]
+    fig = cr.plot_metric(runs, "eval/bpb")
+    by_step, by_tokens = fig.axes
+    left, right = lines_of(by_step), lines_of(by_tokens)
+    assert left["a"] == ([10, 20], [2.0, 1.8])  # the last row of a step wins
+    assert left["b"][0] == [10, 20] and same(left["b"][1], [math.nan, 1.9])
+    assert right == {"a": ([80, 160], [2.0, 1.8])}  # b has no config: no tokens axis
+    assert by_step.get_ylabel() == "eval/bpb"
+    assert sorted(lines_of(cr.plot_metric(runs, "eval/code/bpb").axes[0])) == ["a"]  # b never logged it
+
+    res = cr.compare([a, b], str(tmp_path / "out"), ["a", "b"], ["eval/bpb", "eval/*/bpb", "probe/acc"])
+    assert res["metrics"] == {m: str(tmp_path / "out" / f) for m, f in
+                              (("eval/bpb", "eval_bpb.png"), ("eval/code/bpb", "eval_code_bpb.png"),
+                               ("probe/acc", "probe_acc.png"))}
+    for png in res["metrics"].values():
+        with open(png, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert f"{b}: no eval/code/bpb logged" in capsys.readouterr().err
+    md = (tmp_path / "out" / "summary.md").read_text()
+    assert "| `eval/bpb` | a | 1.8 (20) | 1.8 (20) |" in md
+    assert "| `eval/bpb` | b | 1.9 (20) | 1.9 (20) |" in md  # the NaN is not the lowest
+    assert "| `eval/code/bpb` | a | 1.4 (20) | 1.4 (20) |" in md
+    assert "| `eval/code/bpb` | b | not logged | – |" in md
+    assert "| `probe/acc` | a | 0.5 (20) | 0.5 (20) |" in md
+
+    ok = cli(a, b, "--out", str(tmp_path / "o"), "--metric", "eval/bpb", "--metric", "eval/*/bpb")
+    assert ok.returncode == 0, ok.stderr
+    assert sorted(os.listdir(tmp_path / "o")) == ["eval_bpb.png", "eval_code_bpb.png", "loss.png", "summary.md"]
+    assert str(tmp_path / "o" / "eval_bpb.png") in ok.stdout
+    unknown = cli(a, b, "--out", str(tmp_path / "o2"), "--metric", "eval/bits")
+    assert unknown.returncode == 2 and unknown.stderr.startswith("error: --metric eval/bits: no run logged it; logged:")
+    assert "eval/bpb" in unknown.stderr and not (tmp_path / "o2").exists()

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Compare training runs: loss curves in one picture and a Markdown summary table.
+"""Compare training runs: loss curves in one picture, any other logged metric in its own, and a Markdown table.
 
 Each RUN is a run directory written by a variant's train.py (e.g. runs/dense-20261203-101010/).
 From its metrics.jsonl (one JSON object per logged step; NaN/inf written as strings; after a
@@ -8,8 +8,12 @@ resume a step can appear twice, and the last row for a step wins) this writes:
     OUT/loss.png    two panels: train loss (solid) and val loss (dashed, with markers)
                     against optimizer step (left) and against tokens seen (right), one
                     colour per run
+    OUT/<metric>.png  for each --metric (e.g. eval/bpb -> OUT/eval_bpb.png): that metric of every
+                    run against step (left) and tokens seen (right); a pattern (`eval/*/bpb`)
+                    stands for every logged metric it matches
     OUT/summary.md  one row per run: last step, final train loss, final and best val loss,
-                    median tokens/s and MFU, total tokens, parameter count when known
+                    median tokens/s and MFU, total tokens, parameter count when known; and for
+                    each --metric, every run's final and lowest value (at which step)
 
 Tokens seen at step s = s * batch_size * seq_len, read from RUN/config.json (written by
 shared/metrics.py's Logger) or, when that is missing, from the newest
@@ -18,14 +22,16 @@ summary.md and stderr say so. The parameter count comes from the newest checkpoi
 shapes (the `params.*` leaves), so it is known only for runs with a checkpoint.
 
 Importable without side effects (matplotlib is imported only when plotting):
-`compare(runs, out, labels)` returns {"png", "md", "runs": [per-run summary dicts]};
-`load_run`, `plot` (returns the matplotlib Figure) and `summarize` are its parts.
+`compare(runs, out, labels, metrics)` returns {"png", "md", "runs": [per-run summary dicts],
+"metrics": {metric: png}}; `load_run`, `plot`, `plot_metric` (each returns a matplotlib Figure),
+`expand_metrics` and `summarize` are its parts.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import fnmatch
 import json
 import math
 import os
@@ -37,16 +43,21 @@ EXAMPLES = """\
 examples:
   python tools/compare_runs.py /tmp/runs/dense /tmp/runs/my_idea --out /tmp/cmp-my_idea
   python tools/compare_runs.py runs/dense-A runs/dense-B --out /tmp/cmp --labels lr3e-3,lr1e-3
+  python tools/compare_runs.py runs/A runs/B --out /tmp/cmp --metric eval/bpb --metric 'eval/*/bpb'
 
 Writes OUT/loss.png (train loss solid, val loss dashed, against optimizer step and
 against tokens seen = step x batch_size x seq_len, from RUN/config.json or the newest
 checkpoint's metadata.json) and OUT/summary.md (final/best loss, median tokens/s and MFU),
-and prints their paths. Labels default to each run directory's basename (parent/basename
+and prints their paths. Each --metric NAME (repeatable; a name as metrics.jsonl logs it, or
+a pattern with * such as 'eval/*/bpb') also writes OUT/NAME.png (/ as _) and its final and
+lowest values to summary.md: runs with different tokenizers compare by eval/bpb, not loss.
+Labels default to each run directory's basename (parent/basename
 where two basenames are the same). Where a step was logged twice (a resume), the last
 row wins.
 
 exit status: 0 = written; 2 = a run directory that does not exist, has no metrics.jsonl,
-or has a line that is not a JSON object with an integer "step" (also bad --labels).
+or has a line that is not a JSON object with an integer "step" (also bad --labels, or a
+--metric that no run logged).
 """
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")  # as in shared/checkpoint.py
@@ -72,6 +83,7 @@ class Run:
     tokens_per_step: int | None  # batch_size * seq_len; None when no config was found
     config_source: str | None  # the file batch_size/seq_len came from
     params: int | None  # parameter count from the newest checkpoint's leaves
+    rows: list[dict] = dataclasses.field(default_factory=list)  # every logged row, by step (names as logged now)
 
     def tokens(self, steps: list[int]) -> list[int] | None:
         return None if self.tokens_per_step is None else [s * self.tokens_per_step for s in steps]
@@ -183,8 +195,30 @@ def load_run(path: str, label: str) -> Run:
     return Run(label=label, path=path, steps=[r["step"] for r in rows], loss=[_float(r.get("train/loss")) for r in rows],
                val_steps=[r["step"] for r in val], val_loss=[_float(r["eval/loss"]) for r in val],
                tokens_per_s=finite("throughput/tokens_per_second"), mfu=finite("throughput/mfu"),
-               tokens_per_step=tokens_per_step, config_source=source, params=params)
+               tokens_per_step=tokens_per_step, config_source=source, params=params, rows=rows)
 
+
+def series(run: Run, metric: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of the rows of `run` that logged `metric`; a value that is not a number is NaN."""
+    have = [r for r in run.rows if metric in r]
+    return [r["step"] for r in have], [_float(r[metric]) for r in have]
+
+
+def logged_metrics(runs: list[Run]) -> list[str]:
+    """Every metric name some run logged, sorted."""
+    return sorted({k for run in runs for r in run.rows for k in r if k != "step"})
+
+
+def expand_metrics(runs: list[Run], wanted: list[str]) -> list[str]:
+    """The metrics to plot: each name in `wanted` as it is, or a pattern with * (fnmatch) as every logged
+    name it matches, in order, each once. Raises RunError for a name or pattern that no run logged."""
+    logged, out = logged_metrics(runs), []
+    for w in wanted:
+        found = fnmatch.filter(logged, w) if any(c in w for c in "*?[") else [w] if w in logged else []
+        if not found:
+            raise RunError(f"--metric {w}: no run logged it; logged: {', '.join(logged) or 'nothing'}")
+        out += [m for m in found if m not in out]
+    return out
 
 def default_labels(paths: list[str]) -> list[str]:
     """Basenames; parent/basename for the runs whose basename is shared; made unique if still equal."""
@@ -242,6 +276,62 @@ def plot(runs: list[Run]):
     return fig
 
 
+def metric_file(metric: str) -> str:
+    """The picture's file name of a metric: eval/bpb -> eval_bpb.png."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", metric) + ".png"
+
+
+def plot_metric(runs: list[Run], metric: str):
+    """One metric of every run against optimizer step (left) and tokens seen (right), one colour per run
+    (the same as in loss.png); a line's label is the run's label. A run that did not log the metric
+    has no line, and the picture says so."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import EngFormatter, MaxNLocator
+
+    fig = Figure(figsize=(13, 5), layout="constrained")
+    FigureCanvasAgg(fig)
+    by_step, by_tokens = fig.subplots(1, 2)
+    absent, no_tokens = [], []
+    for i, run in enumerate(runs):
+        steps, values = series(run, metric)
+        if not steps:
+            absent.append(run.label)
+            continue
+        style = {"color": f"C{i % 10}", "linewidth": 1.5, "label": run.label, "markersize": 3,
+                 "marker": "o" if len(steps) < 30 else None}
+        by_step.plot(steps, _plot_y(values), "-", **style)
+        if run.tokens_per_step is None:
+            no_tokens.append(run.label)
+        else:
+            by_tokens.plot(run.tokens(steps), _plot_y(values), "-", **style)
+    by_step.set(title=f"{metric} against optimizer step", xlabel="optimizer step", ylabel=metric)
+    by_tokens.set(title=f"{metric} against tokens seen", xlabel="tokens seen (step × batch_size × seq_len)",
+                  ylabel=metric)
+    by_step.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
+    by_tokens.xaxis.set_major_formatter(EngFormatter())
+    notes = ([f"not logged by: {', '.join(absent)}"] if absent else []) + \
+        ([f"no batch_size/seq_len for: {', '.join(no_tokens)}"] if no_tokens else [])
+    for ax in (by_step, by_tokens):
+        ax.grid(True, alpha=0.3)
+    if notes:
+        by_step.text(0.02, 0.02, "; ".join(notes), transform=by_step.transAxes, fontsize=8, color="0.3", va="bottom")
+    if by_step.get_lines():
+        by_step.legend(loc="best", fontsize=8)
+    fig.suptitle(metric)
+    return fig
+
+
+def summarize_metric(run: Run, metric: str) -> dict:
+    """A run's final and lowest value of `metric` (NaN left out of the lowest), with their steps; None when
+    the run did not log it."""
+    steps, values = series(run, metric)
+    finite = [(v, s) for v, s in zip(values, steps) if math.isfinite(v)]
+    low = min(finite) if finite else None
+    return {"final": values[-1] if values else None, "final_step": steps[-1] if steps else None,
+            "min": low[0] if low else None, "min_step": low[1] if low else None}
+
+
 def summarize(run: Run) -> dict:
     """One run's numbers, as in a summary.md row (None where unknown)."""
     finite_val = [(v, s) for v, s in zip(run.val_loss, run.val_steps) if math.isfinite(v)]
@@ -278,7 +368,20 @@ def _params(n: int | None) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
 
 
-def summary_markdown(summaries: list[dict]) -> str:
+def metrics_markdown(metrics: dict[str, list[dict]], labels: list[str]) -> list[str]:
+    """summary.md's table of the --metric metrics: one row per run and metric, final and lowest value."""
+    if not metrics:
+        return []
+    lines = ["", "## Other metrics", "", "| metric | run | final (step) | lowest (step) |", "|---|---|---|---|"]
+    for metric, per_run in metrics.items():
+        for lab, m in zip(labels, per_run):
+            final = "not logged" if m["final"] is None else f"{_cell(m['final'], '{:.6g}')} ({m['final_step']})"
+            low = "–" if m["min"] is None else f"{_cell(m['min'], '{:.6g}')} ({m['min_step']})"
+            lines.append(f"| `{metric}` | {_cell(lab)} | {final} | {low} |")
+    return lines
+
+
+def summary_markdown(summaries: list[dict], metrics: dict[str, list[dict]] | None = None) -> str:
     head = ["run", "run dir", "last step", "final loss", "final val loss", "best val loss (step)",
             "median tokens/s", "median MFU", "total tokens", "params"]
     lines = ["# Run comparison", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -296,13 +399,16 @@ def summary_markdown(summaries: list[dict]) -> str:
         if s["tokens_per_step"] is None:
             lines.append(f"- **{s['label']}**: no config.json or checkpoint metadata with batch_size and seq_len in "
                          f"`{s['run_dir']}`; the tokens axis is missing for this run (plotted against step only).")
+    lines += metrics_markdown(metrics or {}, [s["label"] for s in summaries])
     return "\n".join(lines) + "\n"
 
 
-def compare(runs: list[str], out: str, labels: list[str] | None = None) -> dict:
-    """Read `runs`, write OUT/loss.png and OUT/summary.md. Returns {"png", "md", "runs": [summaries]}.
+def compare(runs: list[str], out: str, labels: list[str] | None = None, metrics: list[str] = ()) -> dict:
+    """Read `runs`, write OUT/loss.png, OUT/<metric>.png for each of `metrics` (names or * patterns) and
+    OUT/summary.md. Returns {"png", "md", "runs": [summaries], "metrics": {metric: png}}.
 
-    Raises RunError for an unreadable run, ValueError for labels that do not match the runs."""
+    Raises RunError for an unreadable run or a metric no run logged, ValueError for labels that do not
+    match the runs."""
     if not runs:
         raise ValueError("no runs given")
     if labels is None:
@@ -310,6 +416,11 @@ def compare(runs: list[str], out: str, labels: list[str] | None = None) -> dict:
     if len(labels) != len(runs):
         raise ValueError(f"{len(labels)} labels for {len(runs)} runs")
     loaded = [load_run(p, lab) for p, lab in zip(runs, labels)]
+    chosen = expand_metrics(loaded, list(metrics))  # before anything is written
+    for m in chosen:
+        for r in loaded:
+            if not series(r, m)[0]:
+                print(f"warning: {r.path}: no {m} logged; it has no line in {metric_file(m)}", file=sys.stderr)
     for r in loaded:
         if r.tokens_per_step is None:
             print(f"warning: {r.path}: no config.json or checkpoint metadata with batch_size and seq_len; "
@@ -318,10 +429,15 @@ def compare(runs: list[str], out: str, labels: list[str] | None = None) -> dict:
     png, md = os.path.join(out, PNG), os.path.join(out, MD)
     fig = plot(loaded)
     fig.savefig(png, dpi=110)
+    pictures = {}
+    for m in chosen:
+        pictures[m] = os.path.join(out, metric_file(m))
+        plot_metric(loaded, m).savefig(pictures[m], dpi=110)
     summaries = [summarize(r) for r in loaded]
+    per_metric = {m: [summarize_metric(r, m) for r in loaded] for m in chosen}
     with open(md, "w", encoding="utf-8") as f:
-        f.write(summary_markdown(summaries))
-    return {"png": png, "md": md, "runs": summaries}
+        f.write(summary_markdown(summaries, per_metric))
+    return {"png": png, "md": md, "runs": summaries, "metrics": pictures}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -331,6 +447,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("runs", nargs="+", metavar="RUN", help="run directory holding metrics.jsonl (from a train.py)")
     ap.add_argument("--out", required=True, metavar="DIR", help="folder for loss.png and summary.md (created)")
     ap.add_argument("--labels", metavar="A,B,...", help="comma-separated legend labels, one per RUN")
+    ap.add_argument("--metric", action="append", default=[], metavar="NAME",
+                    help="also plot this logged metric (e.g. eval/bpb, or a pattern: 'eval/*/bpb') into "
+                         "OUT/NAME.png and add its final and lowest values to summary.md; repeatable")
     args = ap.parse_args(argv)
     labels = None
     if args.labels is not None:
@@ -339,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --labels: {len(labels)} labels for {len(args.runs)} runs", file=sys.stderr)
             return 2
     try:
-        result = compare(args.runs, args.out, labels)
+        result = compare(args.runs, args.out, labels, args.metric)
     except RunError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -350,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e.filename or args.out}: {e.strerror or e}", file=sys.stderr)
         return 2
     print(f"wrote {result['png']}")
+    for path in result["metrics"].values():
+        print(f"wrote {path}")
     print(f"wrote {result['md']}")
     return 0
 
