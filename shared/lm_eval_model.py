@@ -223,8 +223,12 @@ class StencilLM(TemplateLM):
             until = kw.pop("until", None) or []
             until = [until] if isinstance(until, str) else list(until)
             max_gen = int(kw.pop("max_gen_toks", 256))
-            temperature = float(kw.pop("temperature", 0.0) or 0.0) if kw.pop("do_sample", False) else 0.0
-            sampling = generate.Sampling(temperature=temperature)
+            temperature = float(kw.pop("temperature", 0.0) or 0.0)
+            sample = kw.pop("do_sample", None)
+            sample = temperature > 0 if sample is None else bool(sample)  # as lm-eval's hf model reads them
+            sampling = generate.Sampling(temperature=temperature if sample else 0.0,
+                                         top_k=int(kw.pop("top_k", 0) or 0) if sample else 0,
+                                         top_p=float(kw.pop("top_p", 1.0) or 1.0) if sample else 1.0)
             keep = max(1, self.max_length - max_gen)  # the context's last tokens, leaving room for the new ones
             for s in range(0, len(items), self.batch_size):
                 chunk = items[s:s + self.batch_size]

@@ -45,6 +45,7 @@ import jax
 from shared import checkpoint, data, distributed, flops, guard, kernels, metrics, probes
 from shared.config import RUN_FIELDS, check, check_fields
 from shared.errors import StencilError
+from shared.generate import rows_multiple
 from shared.variant import load as load_module
 
 
@@ -425,7 +426,7 @@ class Run:
         with self.clock.aside():
             if self.probe_sets or self.lm_eval_tasks:
                 model = load_module(os.path.join(self.folder, "model.py"))  # train.py's own module
-                batch = self.cfg.batch_size // self.cfg.grad_accum
+                batch = rows_multiple(model, self.cfg.model, self.mesh)  # a row per device: its logits are whole
             if self.probe_sets:
                 row |= probes.evaluate(model, params, self.cfg.model, self.mesh, self.probe_sets, batch)
             if self.lm_eval_tasks:

@@ -23,7 +23,7 @@ from helpers import mesh, sub_env
 
 from shared import probes
 from shared.config import ConfigError
-from shared.variant import ROOT, load
+from shared.variant import ROOT, discover, load
 
 TASKS = os.path.join(ROOT, "evals", "tasks")
 HAS_LM_EVAL = importlib.util.find_spec("lm_eval") is not None
@@ -245,3 +245,34 @@ def test_hf_export_gives_the_same_loglikelihoods_as_the_adapter(lm_eval_model, d
     print(f"\nmax |per-document log-likelihood difference| adapter vs hf: {worst:.2e}")
     assert a["results"]["stencil_mc"]["acc,none"] == b["results"]["stencil_mc"]["acc,none"]
     assert a["results"]["stencil_mc"]["acc_norm,none"] == b["results"]["stencil_mc"]["acc_norm,none"]
+
+
+@pytest.mark.integration  # every folder's model at its CPU default (kda's chunked layers compile slowly on CPU)
+@pytest.mark.parametrize("folder", discover())
+def test_every_folders_loglikelihoods_do_not_depend_on_the_batch(lm_eval_model, folder):
+    """Sorted, padded to a power of two and batched with rows of other lengths, a continuation's log-likelihood
+    is the one of its row alone, unpadded (the folder's forward, log-softmax in the test)."""
+    import argparse
+
+    from tokenizers import Tokenizer
+
+    from shared import generate
+
+    model = load(os.path.join(ROOT, folder, "model.py"))
+    cfg = model.ModelConfig()
+    m = generate._mesh(folder, cfg, argparse.Namespace(mesh_data=-1, mesh_model=1, mesh_expert=1))
+    with jax.set_mesh(m):
+        params = jax.jit(lambda k: model.init(cfg, k))(jax.random.key(0))
+    rows = generate.rows_multiple(model, cfg, m)
+    tok = Tokenizer.from_str('{"version": "1.0", "model": {"type": "WordLevel", "vocab": {"<|eos|>": 0}, "unk_token": "<|eos|>"}}')
+    lm = lm_eval_model.StencilLM(model, params, cfg, m, tok, eos_id=0, max_length=64, batch_size=rows)
+    rng = np.random.default_rng(0)
+    reqs = [(None, list(rng.integers(1, cfg.vocab_size, n)), list(rng.integers(1, cfg.vocab_size, 3)))
+            for n in (5, 20, 40, 90)]  # 90: left-truncated to the last 65 tokens
+    got = lm._loglikelihood_tokens(reqs)
+    with jax.set_mesh(m):
+        for (_, ctx, cont), (ll, _) in zip(reqs, got):
+            whole = np.array([(ctx + cont)[-65:]] * rows, np.int32)
+            logits = jax.jit(lambda p, t: model.forward(p, t, cfg))(params, jnp.asarray(whole[:, :-1]))
+            lp = np.take_along_axis(np.asarray(jax.nn.log_softmax(np.asarray(logits)[0], -1)), whole[0, 1:, None], -1)
+            assert abs(ll - float(lp[-3:].sum())) < 1e-4, (folder, ll, float(lp[-3:].sum()))
