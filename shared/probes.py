@@ -257,11 +257,15 @@ def write(args) -> int:
 
     cfg = ProbeConfig(sets=args.kind, mqar_pairs=args.mqar_pairs, mqar_gap=args.mqar_gap,
                       passkey_depths=args.passkey_depth, passkey_len=args.passkey_len, copy_len=args.copy_len)
+    if args.seq_len < 2:
+        raise ConfigError(f"--seq_len must be at least 2, got {args.seq_len}")
     cfg.check_fits(args.seq_len)
     if args.kind == "passkey" and len(cfg.depths()) != 1:
         raise ConfigError("probes.passkey_depth: give one depth for training documents")
-    if os.path.exists(args.out) and os.listdir(args.out):
-        raise ConfigError(f"--out {args.out} exists and is not empty (nothing is overwritten)")
+    if args.n < 1:
+        raise ConfigError(f"--n must be positive, got {args.n}")
+    if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
+        raise ConfigError(f"--out {args.out} exists and is not an empty directory (nothing is overwritten)")
     if args.tokenizer:
         tok = sources.load_tokenizer(args.tokenizer)[0]
         eos = sources.eos_id_of(tok)

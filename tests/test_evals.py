@@ -276,3 +276,25 @@ def test_every_folders_loglikelihoods_do_not_depend_on_the_batch(lm_eval_model, 
             logits = jax.jit(lambda p, t: model.forward(p, t, cfg))(params, jnp.asarray(whole[:, :-1]))
             lp = np.take_along_axis(np.asarray(jax.nn.log_softmax(np.asarray(logits)[0], -1)), whole[0, 1:, None], -1)
             assert abs(ll - float(lp[-3:].sum())) < 1e-4, (folder, ll, float(lp[-3:].sum()))
+
+
+def test_write_makes_training_documents_of_one_probe(tmp_path, capsys):
+    from tokenizers import Tokenizer
+
+    vocab = {"<|eos|>": 0, **{f"w{i}": i for i in range(1, 300)}}
+    tok = Tokenizer.from_str(json.dumps({"version": "1.0", "model": {"type": "WordLevel", "vocab": vocab,
+                                                                        "unk_token": "<|eos|>"}}))
+    tok.save(str(tmp_path / "tok.json"))
+    out = tmp_path / "mqar"
+    args = ["write", "mqar", "--out", str(out), "--tokenizer", str(tmp_path / "tok.json"), "--vocab_size", "300",
+            "--seq_len", "40", "--n", "5", "--mqar_pairs", "4", "--mqar_gap", "8"]
+    assert probes.main(args) == 0
+    docs = np.load(out / "mqar.npy").reshape(5, 41)
+    assert (docs[:, -1] == 0).all() and not (docs[:, :-1] == 0).any()  # one eos, at the end of each document
+    cfg = probes.ProbeConfig(sets="mqar", mqar_pairs=4, mqar_gap=8)
+    evals, _ = probes.make_set("mqar", cfg, probes.run_roles(tok, 300, 0), 40, 5, seed=1)
+    assert not any((d == e).all() for d in docs for e in evals)  # never an evaluation sequence
+    assert os.path.isfile(out / "tokenizer.json")
+    assert probes.main(args) == 2 and "not an empty directory" in capsys.readouterr().err  # nothing overwritten
+    assert probes.main([*args[:3], str(tmp_path / "other"), *args[4:-4], "--mqar_pairs", "9", "--mqar_gap", "8"]) == 2
+    assert "probes.mqar_pairs" in capsys.readouterr().err  # 4 x 9 + 8 > 40
