@@ -375,8 +375,63 @@ def _mesh(folder: str, cfg, args):
         raise GenerateError(f"the mesh: {e}") from e
 
 
+def load_weights(source: str, *, init_from: str = "", step=None, variant: str = "", weights: str = "auto",
+                 tokenizer: str = "", mesh_data: int = -1, mesh_model: int = 1, mesh_expert: int = 1) -> dict:
+    """What a command needs to run a model: a run directory or checkpoint (`source`) or `init_from` hf:DIR, read
+    onto the folder's mesh. A dict: model (the folder's module), cfg, params, mesh, tokenizer, eos_id, seq_len
+    (the run's, or DIR's max_position_embeddings; None if not recorded), folder, where (a description).
+    shared/lm_eval_model.py calls it too."""
+    from shared import checkpoint, data, sources
+    from shared import hf as hfio
+
+    if bool(source) == bool(init_from):
+        raise GenerateError("give a run directory or checkpoint, or --init_from hf:DIR (one of them)")
+    if init_from:
+        if not init_from.startswith("hf:") or len(init_from) == 3:
+            raise GenerateError(f"--init_from must be hf:DIR, got {init_from!r}")
+        hf_dir = init_from[3:]
+        folder = _hf_folder(hf_dir, variant)
+        hf = load(os.path.join(ROOT, folder, "hf.py") if not os.path.isabs(folder) else os.path.join(folder, "hf.py"))
+        try:
+            cfg = hf.model_config(hfio.read_config(hf_dir))
+            tok_path = tokenizer or hfio.hf_tokenizer(hf_dir)
+        except hfio.HFError as e:
+            raise GenerateError(f"--init_from: {e}") from e
+        model, info = hf.model, None
+        seq_len = hfio.read_config(hf_dir).get("max_position_embeddings")
+        where = f"{hf_dir} ({os.path.basename(folder)})"
+    else:
+        info = load_checkpoint(source, step=step, variant=variant, weights=weights)
+        folder, model, cfg, seq_len = info["folder"], info["model"], info["cfg"], info["seq_len"]
+        tok_path = tokenizer or (os.path.join(info["run"], "tokenizer.json") if info["run"] else "")
+        if not tok_path or not os.path.isfile(tok_path):
+            raise GenerateError(f"no tokenizer: {tok_path or 'the checkpoint is not in a run directory'} does not exist; "
+                                "pass --tokenizer (the tokenizer.json the run trained with)")
+        where = f"{info['path']} ({os.path.basename(folder)}, {info['which']})"
+    try:
+        tok, _ = sources.load_tokenizer(tok_path)
+        eos = sources.eos_id_of(tok)
+    except data.DataError as e:
+        raise GenerateError(f"--tokenizer: {e}") from e
+    mesh = _mesh(folder, cfg, argparse.Namespace(mesh_data=mesh_data, mesh_model=mesh_model, mesh_expert=mesh_expert))
+    with jax.set_mesh(mesh):
+        if info is None:
+            try:
+                params = hf.import_params(hf_dir, cfg)
+            except hfio.HFError as e:
+                raise GenerateError(f"--init_from: {e}") from e
+        else:
+            target = {info["which"]: jax.eval_shape(lambda k: model.init(cfg, k), jax.random.key(0))}
+            try:
+                params = checkpoint.restore(info["path"], target)[0][info["which"]]
+            except checkpoint.CheckpointError as e:
+                raise GenerateError(f"{e} (is it a checkpoint of {os.path.basename(folder)}?)") from e
+    return dict(model=model, cfg=cfg, params=params, mesh=mesh, tokenizer=tok, eos_id=eos, seq_len=seq_len,
+                folder=folder, where=where)
+
+
 def run(args) -> int:
-    from shared import checkpoint, data, distributed, sources
+    from shared import distributed
 
     distributed.initialize()
     if bool(args.source) == bool(args.init_from):
@@ -390,51 +445,14 @@ def run(args) -> int:
     if not texts:
         raise GenerateError("no prompts: give --prompt TEXT or --prompts FILE")
 
-    if args.init_from:
-        if not args.init_from.startswith("hf:") or len(args.init_from) == 3:
-            raise GenerateError(f"--init_from must be hf:DIR, got {args.init_from!r}")
-        hf_dir = args.init_from[3:]
-        folder = _hf_folder(hf_dir, args.variant)
-        hf = load(os.path.join(ROOT, folder, "hf.py") if not os.path.isabs(folder) else os.path.join(folder, "hf.py"))
-        from shared import hf as hfio
-        try:
-            cfg = hf.model_config(hfio.read_config(hf_dir))
-            tok_path = args.tokenizer or hfio.hf_tokenizer(hf_dir)
-        except hfio.HFError as e:
-            raise GenerateError(f"--init_from: {e}") from e
-        model, info = hf.model, None
-        seq_len = hfio.read_config(hf_dir).get("max_position_embeddings")
-        where = f"{hf_dir} ({os.path.basename(folder)})"
-    else:
-        info = load_checkpoint(args.source, step=args.step, variant=args.variant, weights=args.weights)
-        folder, model, cfg, seq_len = info["folder"], info["model"], info["cfg"], info["seq_len"]
-        tok_path = args.tokenizer or (os.path.join(info["run"], "tokenizer.json") if info["run"] else "")
-        if not tok_path or not os.path.isfile(tok_path):
-            raise GenerateError(f"no tokenizer: {tok_path or 'the checkpoint is not in a run directory'} does not exist; "
-                                "pass --tokenizer (the tokenizer.json the run trained with)")
-        where = f"{info['path']} ({os.path.basename(folder)}, {info['which']})"
-    try:
-        tok, _ = sources.load_tokenizer(tok_path)
-        eos = sources.eos_id_of(tok)
-    except data.DataError as e:
-        raise GenerateError(f"--tokenizer: {e}") from e
+    w = load_weights(args.source, init_from=args.init_from, step=args.step, variant=args.variant, weights=args.weights,
+                     tokenizer=args.tokenizer, mesh_data=args.mesh_data, mesh_model=args.mesh_model,
+                     mesh_expert=args.mesh_expert)
+    model, cfg, mesh, params, tok, eos, where = (w[k] for k in ("model", "cfg", "mesh", "params", "tokenizer", "eos_id",
+                                                                "where"))
     prompts = [tok.encode(t, add_special_tokens=False).ids for t in texts]
-    max_len = args.max_len or int(seq_len or 0) or max(len(p) for p in prompts) + args.max_new_tokens
-    mesh = _mesh(folder, cfg, args)
+    max_len = args.max_len or int(w["seq_len"] or 0) or max(len(p) for p in prompts) + args.max_new_tokens
     check_prompts(prompts, rows_multiple(model, cfg, mesh), max_len, cfg.vocab_size, names)
-
-    with jax.set_mesh(mesh):
-        if info is None:
-            try:
-                params = hf.import_params(hf_dir, cfg)
-            except hfio.HFError as e:
-                raise GenerateError(f"--init_from: {e}") from e
-        else:
-            target = {info["which"]: jax.eval_shape(lambda k: model.init(cfg, k), jax.random.key(0))}
-            try:
-                params = checkpoint.restore(info["path"], target)[0][info["which"]]
-            except checkpoint.CheckpointError as e:
-                raise GenerateError(f"{e} (is it a checkpoint of {os.path.basename(folder)}?)") from e
     print(f"generating from {where}: {len(prompts)} prompts, up to {args.max_new_tokens} new tokens, "
           f"max_len {max_len}, mesh {dict(mesh.shape)}", file=sys.stderr)
     t0 = time.perf_counter()

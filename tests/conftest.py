@@ -55,7 +55,7 @@ class TinyDense:
 
         s = self.settings(run_dir, over)
         top = {k: v for k, v in s.items() if "." not in k}
-        for part in ("model", "data", "optim"):
+        for part in ("model", "data", "optim", "probes"):
             fields = {k.split(".", 1)[1]: v for k, v in s.items() if k.startswith(part + ".")}
             if part in top:  # a config object given whole: the tiny settings do not apply to it
                 continue

@@ -235,8 +235,8 @@ def main(cfg: TrainConfig) -> dict:
             row = r.fetch()  # this step's metrics on the host (a non-finite loss stops the run here)
             if due.profile_end:
                 r.end_profile(state, train_step.lower(state, batch))
-            if due.eval:  # eval/loss and eval/bpb of the held-out rows and of every --data.eval set
-                row |= r.evaluate(lambda b: eval_step(eval_params(state), to_device(b, mesh)))
+            if due.eval:  # eval/loss and eval/bpb of the held-out rows and every --data.eval set; probes, lm-eval tasks
+                row |= r.evaluate(lambda b: eval_step(eval_params(state), to_device(b, mesh)), eval_params(state))
             if due.log:
                 r.log(step, row, SHOWN)  # metrics.jsonl, wandb, the bar, a line; tokens/s and MFU added
             if due.save:
