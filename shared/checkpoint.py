@@ -424,6 +424,19 @@ def _step_dirs(directory: str) -> list[str]:
     return [join(directory, name) for name in sorted(scan) if _STEP_DIR.match(name) and COMMIT in scan[name]]
 
 
+def partial(directory: str) -> list[tuple[str, str]]:
+    """(name, why) of every step folder in `directory` that is not a checkpoint because it has no commit
+    record: skipped by `latest` and a resume, and deleted by the next save."""
+    out = []
+    for name, keys in sorted(objstore.scan(directory).items()):
+        if _STEP_DIR.match(name) and COMMIT not in keys:
+            what = (f"{len(keys)} files, but " if keys else "") + f"no {COMMIT} (its commit record)"
+            why = f"{what}: a save that did not finish, or a deleted commit record; not a checkpoint, skipped " \
+                  "(the next save deletes it)"
+            out.append((name, why))
+    return out
+
+
 def all_checkpoints(directory: str) -> list[str]:
     """Complete checkpoints in `directory`, oldest first: committed, metadata readable, every
     recorded file there at its size (partial saves and deletions excluded)."""

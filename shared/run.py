@@ -18,7 +18,8 @@ Each piece is a small function or class of its own, read top to bottom:
                       for --resume, or a new runs/<variant>-<time>
   find_checkpoint     the checkpoint to resume from (or None), refusing a fresh run over checkpoints
   refuse_resume       every refusal that is the same for every variant: another model or data config,
-                      another data stream, another optimizer, a weight average turned on or off, no steps left
+                      another data stream, another optimizer, a weight average turned on or off, a checkpoint
+                      past the end (one at the end is a complete run: `Run.complete`, nothing trains, exit 0)
   Clock               tokens/s and MFU between log lines, less the time set aside (eval, saves, samples)
   Profiler            a jax.profiler trace of the steps A..B (--profile_steps), with the compiled program's text
   Fetch               the one-step-late metric fetch: the host reads step N's metrics while step N+1 runs, and
@@ -134,9 +135,10 @@ def refuse_resume(cfg, meta: dict, stream: dict, path: str) -> None:
         raise TrainingError(f"--resume: {path} was saved with --optim.ema {saved.get('optim', {}).get('ema', 0.0)}"
                             f" and this run asks for --optim.ema {cfg.optim.ema}: a weight average can be "
                             "retuned on resume, not turned on or off")
-    if meta["step"] >= (cfg.stop_at or cfg.steps):
-        raise TrainingError(f"--resume: {path} is at step {meta['step']}, and this run ends at step "
-                            f"{cfg.stop_at or cfg.steps} (--steps / --stop_at): nothing to train")
+    if meta["step"] > (cfg.stop_at or cfg.steps):  # at the end itself the run is complete (Run.complete)
+        raise TrainingError(f"--resume: {path} is at step {meta['step']}, past the end of this run at step "
+                            f"{cfg.stop_at or cfg.steps} (--steps / --stop_at): it holds more steps than this "
+                            f"run asks for; pass --steps (or --stop_at) {meta['step']} or more")
 
 
 def profile_range(cfg) -> tuple[int, int] | None:
@@ -271,10 +273,14 @@ class Run:
         self.evals = data.eval_sets(self.corpus, cfg.seq_len, cfg.batch_size // cfg.grad_accum, cfg.eval_batches,
                                     process_index=p, process_count=n)
         self.start, self.end = 0, cfg.stop_at or cfg.steps
+        self.skipped = []  # partial checkpoint folders a resume passed over: named in the run's first lines
         if self.checkpoint:
             meta = checkpoint.read_metadata(self.checkpoint)
             refuse_resume(cfg, meta, self.stream, self.checkpoint)
             self.start = meta["step"]
+            self.skipped = checkpoint.partial(self.ckpt_dir) if jax.process_index() == 0 else []
+        # re-run after it finished (a retry wrapper, a requeued job): nothing to train, main() returns (exit 0)
+        self.complete = self.checkpoint is not None and self.start == self.end
 
     def __enter__(self):
         return self
@@ -312,6 +318,11 @@ class Run:
         self.write(f"{self.variant}: {n_params / 1e6:.2f}M params, {flops_per_token / 1e6:.1f} MFLOP/token, mesh "
                    f"{dict(mesh.shape)}, {cfg.batch_size * cfg.seq_len} tokens/step, steps {self.start}->{self.end}, "
                    f"run dir {self.run_dir}")
+        for name, why in self.skipped:
+            self.write(f"resume: ignored {checkpoint.join(self.ckpt_dir, name)}: {why}")
+        if self.complete:
+            self.write(f"this run is complete: {self.checkpoint} is at step {self.end}, its last step (--steps / "
+                       f"--stop_at); nothing to train. To train further, raise --steps (or --stop_at)")
         self.saver = checkpoint.Saver()  # asynchronous saves, one in flight
         self.stop = guard.StopSignals()  # SIGTERM / SIGINT / SIGUSR1: finish the step, save, exit 75
         self.watchdog = guard.Watchdog(cfg.watchdog_s, self.run_dir)
@@ -428,4 +439,4 @@ class Run:
         """Wait for the last save to complete; what main() returns."""
         self.saver.wait()
         return {"run_dir": self.run_dir, "losses": self.fetched.losses, "val_loss": self.val_loss, "step": self.end,
-                "sample": self.sample, "state": state}
+                "sample": self.sample, "state": state, "already_complete": self.complete}
