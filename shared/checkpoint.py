@@ -266,15 +266,21 @@ def _write(directory, final, step, host, meta, keep, ocdbt) -> None:
                 store.write(f"files.p{me}.json", json.dumps({"error": f"{type(e).__name__}: {e}"})).result()
             except Exception:
                 pass
+        removed = False
         if me == 0:
             try:
                 _delete(final)
+                removed = True
             except Exception:
                 pass  # unreachable storage: the next save deletes it; without a commit record it is invisible
         if isinstance(e, _NotFinite):
             raise CheckpointError(f"{e}; the last checkpoint in {directory} is {latest_name(directory)}") from None
-        raise CheckpointError(f"saving step {step} to {final} failed: {type(e).__name__}: {e}. Its partial files "
-                              f"were removed; the last checkpoint is {latest_name(directory)}") from e
+        what = "Its partial files were removed" if removed else \
+            "It has no commit record, so it is not a checkpoint (its partial files are deleted by the next save)"
+        budget = " (the object store kept failing past the retry budget, STENCIL_STORE_RETRIES)" \
+            if "retry attempts failed" in str(e) else ""
+        raise CheckpointError(f"saving step {step} to {final} failed{budget}: {type(e).__name__}: {e}. {what}; "
+                              f"the last checkpoint is {latest_name(directory)}") from e
     if me == 0:
         _tidy(directory, final, keep)
 
