@@ -273,13 +273,15 @@ def _write(directory, final, step, host, meta, keep, ocdbt) -> None:
                 removed = True
             except Exception:
                 pass  # unreachable storage: the next save deletes it; without a commit record it is invisible
+        who = f"process {me} of {n}: " if n > 1 else ""  # which process's part failed
         if isinstance(e, _NotFinite):
-            raise CheckpointError(f"{e}; the last checkpoint in {directory} is {latest_name(directory)}") from None
+            raise CheckpointError(f"{who}{e}; the last checkpoint in {directory} is {latest_name(directory)}") \
+                from None
         what = "Its partial files were removed" if removed else \
             "It has no commit record, so it is not a checkpoint (its partial files are deleted by the next save)"
         budget = " (the object store kept failing past the retry budget, STENCIL_STORE_RETRIES)" \
             if "retry attempts failed" in str(e) else ""
-        raise CheckpointError(f"saving step {step} to {final} failed{budget}: {type(e).__name__}: {e}. {what}; "
+        raise CheckpointError(f"{who}saving step {step} to {final} failed{budget}: {type(e).__name__}: {e}. {what}; "
                               f"the last checkpoint is {latest_name(directory)}") from e
     if me == 0:
         _tidy(directory, final, keep)

@@ -9,6 +9,7 @@ checkpoint stays complete."""
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -83,7 +84,7 @@ def test_saves_listings_restores_and_token_store_reads_retry_through_a_faulty_st
 
 
 def test_a_run_through_a_faulty_store_resumes_bit_exactly(faulty, tiny_dense, tmp_path):
-    """The run's lock, asynchronous saves, listing and restore on a store failing 20% of requests."""
+    """The run's lock, asynchronous saves, listing and restore on a store faulting 20% of requests."""
     url = _bucket(faulty, "run") + "/ck"
     faulty.fail = 0.2
     first = train.main(tiny_dense.config(tmp_path / "run", **END_ONLY, steps=6, stop_at=4, save_every=2,
@@ -102,7 +103,7 @@ def test_a_store_failing_past_the_retry_budget_stops_the_run_naming_the_checkpoi
     budget, step 2 stays complete, and a resume from it (the store healthy again) is bit-exact."""
     url = _bucket(faulty, "budget") + "/ck"
     run = tmp_path / "run"
-    faulty.fail, faulty.only = 1.0, r"/step_00000004/"
+    faulty.fail, faulty.only, faulty.kinds = 1.0, r"/step_00000004/", ("503", "reset")  # a delay would pass
     r = subprocess.run([sys.executable, tiny_dense.script, *tiny_dense.flags(run, **END_ONLY, steps=8, save_every=2,
                                                                               checkpoint_dir=url)],
                        env=sub_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -121,3 +122,115 @@ def test_a_store_failing_past_the_retry_budget_stops_the_run_naming_the_checkpoi
     assert resumed["losses"] == {k: v for k, v in straight["losses"].items() if k > 2}
     for x, y in zip(jax.tree.leaves(resumed["state"]), jax.tree.leaves(straight["state"])):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# ---------------------------------------------------------------- a process other than 0 fails its part of a save
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_pair(args, endpoints):
+    """Processes 0 and 1 of a 2 x 4-device run, started by hand (no launcher to stop the other): each talks
+    to the S3 endpoint given for it (process 1's through the fault proxy)."""
+    port, procs = _free_port(), []
+    for i, endpoint in enumerate(endpoints):
+        env = sub_env(STENCIL_COORDINATOR=f"127.0.0.1:{port}", STENCIL_NUM_PROCESSES="2", STENCIL_PROCESS_ID=str(i),
+                      STENCIL_HEARTBEAT_TIMEOUT="10", XLA_FLAGS="--xla_force_host_platform_device_count=4",
+                      AWS_ENDPOINT_URL_S3=endpoint)
+        procs.append(subprocess.Popen([sys.executable, SCRIPT, *args], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, cwd=ROOT))
+    return procs
+
+
+def _finish(procs, timeout=400):
+    try:
+        return [(p.communicate(timeout=timeout)[0], p.returncode) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def _resume_redoes_the_same_steps(faulty, run, url, logged):
+    """Resume both processes from step 2 (the store healthy) to step 4: the redone steps' losses are the ones
+    the failed run logged, bit for bit."""
+    faulty.fail = 0.0
+    args = tiny_dense_flags(run, url, resume="true", stop_at=4)
+    outs = _finish(_start_pair(args, [faulty.s3.endpoint, faulty.url]))
+    assert [rc for _, rc in outs] == [0, 0], outs[0][0][-3000:] + outs[1][0][-3000:]
+    got = losses(run)
+    assert sorted(got) == [1, 2, 3, 4] and {s: got[s] for s in (3, 4)} == {s: logged[s] for s in (3, 4)}, (got, logged)
+    [last] = [c for c in checkpoint.all_checkpoints(url) if c.endswith("step_00000004")]
+    assert checkpoint.verify(last, checksums=True) == []
+
+
+SCRIPT = os.path.join(ROOT, "variants", "dense", "train.py")
+TINY = {}  # filled by the tiny_dense fixture of each test below (its flags need the session's corpus)
+
+
+def tiny_dense_flags(run, url, **over):
+    return TINY["flags"](run, **{**END_ONLY, "steps": 8, "save_every": 2, "checkpoint_dir": url, **over})
+
+
+@pytest.fixture
+def two(faulty, tiny_dense):
+    TINY["flags"] = tiny_dense.flags
+    return faulty
+
+
+def test_process_1_refused_its_writes_of_a_save(two, tmp_path):
+    """Process 1's writes of step 4's shards are refused (its own endpoint fails them all): both processes
+    exit non-zero, naming process 1, in bounded time; step 4 never counts as complete; a resume from step 2
+    is bit-exact."""
+    url, run = _bucket(two, "p1-refused") + "/ck", tmp_path / "run"
+    two.fail, two.only, two.kinds = 1.0, r"/step_00000004/arrays/", ("503", "reset")  # a delay would pass
+    t0 = time.monotonic()
+    (out0, rc0), (out1, rc1) = _finish(_start_pair(tiny_dense_flags(run, url), [two.s3.endpoint, two.url]))
+    took = time.monotonic() - t0
+    print(f"\nprocess 1's writes refused: both stopped {took:.0f} s after the start")
+    assert rc0 != 0 and rc1 != 0, out0[-3000:] + out1[-3000:]
+    assert "error: process 1 of 2: saving step 4 to" in out1, out1[-3000:]
+    assert ("process 1 could not write its shards of step 4" in out0
+            or "The following tasks are unhealthy (stopped sending heartbeats):\n1\n" in out0), out0[-3000:]
+    two.fail, two.kinds = 0.0, fault_proxy.KINDS
+    assert [os.path.basename(c) for c in checkpoint.all_checkpoints(url)] == ["step_00000002"]
+    logged = losses(run)
+    assert max(logged) >= 4
+    _resume_redoes_the_same_steps(two, run, url, logged)
+
+
+def test_process_1_killed_in_the_middle_of_a_save(two, tmp_path):
+    """Process 1 is SIGKILLed while its writes of step 4 are held up: process 0 exits non-zero within the
+    heartbeat timeout, naming process 1; step 4 never counts as complete; a resume from step 2 is bit-exact."""
+    url, run = _bucket(two, "p1-killed") + "/ck", tmp_path / "run"
+    two.fail, two.only, two.kinds, two.delay_s = 1.0, r"/step_00000004/arrays/", ("delay",), 600.0
+    p0, p1 = _start_pair(tiny_dense_flags(run, url), [two.s3.endpoint, two.url])
+    try:
+        deadline = time.monotonic() + 300
+        while two.counts["delay"] == 0 and time.monotonic() < deadline and p1.poll() is None:
+            time.sleep(0.1)
+        assert two.counts["delay"] > 0, "process 1 never began writing step 4"
+        p1.kill()
+        t0 = time.monotonic()
+        out0, _ = p0.communicate(timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        for p in (p0, p1):
+            if p.poll() is None:
+                p.kill()
+    p1.communicate()
+    print(f"\nprocess 1 killed mid-save: process 0 exited {took:.0f} s later with {p0.returncode}")
+    assert p0.returncode != 0 and took < 60, out0[-3000:]
+    # JAX's coordination service names it (task 1 = process 1) and aborts process 0; launch/local.py would
+    # also print "process 1 was killed by SIGKILL" (tests/test_launch.py)
+    assert "The following tasks are unhealthy (stopped sending heartbeats):\n1\n" in out0, out0[-3000:]
+    two.fail, two.kinds, two.delay_s = 0.0, fault_proxy.KINDS, 0.05
+    assert [os.path.basename(c) for c in checkpoint.all_checkpoints(url)] == ["step_00000002"]
+    logged = losses(run)
+    assert max(logged) >= 4
+    _resume_redoes_the_same_steps(two, run, url, logged)

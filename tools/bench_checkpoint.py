@@ -18,9 +18,9 @@ the fraction of those steps that actually overlapped the write.
     python tools/bench_checkpoint.py --stores local                  # no S3 server
     python tools/bench_checkpoint.py --faults 0,0.1,0.3 --rounds 5   # S3 behind tools/fault_proxy.py
 
-With --faults, only synchronous saves to the S3 server are timed, through tools/fault_proxy.py failing
+With --faults, only synchronous saves to the S3 server are timed, through tools/fault_proxy.py faulting
 each given share of requests (503 SlowDown, a connection reset or a delay of --fault-delay-s, drawn in
-equal parts), one share after the other in each round; every request is retried within the budget
+equal parts: the first two fail the request), one share after the other in each round; every request is retried within the budget
 of shared/objstore.py (STENCIL_STORE_RETRIES, its default unless set).
 """
 
@@ -61,7 +61,7 @@ def main(argv=None):
     ap.add_argument("--stores", default="local,s3", help="comma-separated: local, s3")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps-per-round", type=int, default=4)
-    ap.add_argument("--faults", default="", help="comma-separated shares of failed requests (e.g. 0,0.1,0.3): "
+    ap.add_argument("--faults", default="", help="comma-separated shares of faulted requests (e.g. 0,0.1,0.3): "
                     "time synchronous S3 saves through tools/fault_proxy.py at each")
     ap.add_argument("--fault-delay-s", type=float, default=0.5, help="how long a delayed request is held (with --faults)")
     args = ap.parse_args(argv)
@@ -155,7 +155,7 @@ def _faults(state, shares, args):
     retries = objstore.request_retries()
     print(f"\nretry budget per request: {retries['max_retries']} retries, first after {retries['initial_delay']}, "
           f"at most {retries['max_delay']} apart; delayed requests held {args.fault_delay_s} s; {args.rounds} rounds")
-    print("\n| requests failed | sync save (median) | min | max | vs 0% | requests per save | 503 / reset / delay "
+    print("\n| requests faulted | sync save (median) | min | max | vs 0% | requests per save | 503 / reset / delay "
           "per save |\n|---|---|---|---|---|---|---|")
     base = statistics.median(times[shares[0]])
     for f in shares:

@@ -11,6 +11,8 @@ the proxy instead of the server.
 
     python tools/fault_proxy.py --upstream http://127.0.0.1:9000 --fail 0.3   # prints its URL, runs until ^C
 
+`fail` is the share of requests faulted, each with one of `kinds` drawn in equal parts: a 503 or a reset
+fails the request, a delay only holds it back (to fail every request, leave "delay" out of `kinds`).
 A faulted request never reaches the server (the server's state is what the client believes it is, as
 with a 503 or a connection refused before the body is read); a delayed one reaches it `delay_s` later.
 Which requests are faulted is drawn from `seed` (the draw order follows the requests' arrival order,
@@ -155,7 +157,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--upstream", required=True, help="the server to forward to: http://HOST:PORT")
     ap.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (0 = a free one)")
-    ap.add_argument("--fail", type=float, default=0.1, help="share of requests faulted, in [0, 1] (default 0.1)")
+    ap.add_argument("--fail", type=float, default=0.1,
+                    help="share of requests faulted, in [0, 1] (default 0.1); a delayed one still succeeds")
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated faults to draw from: {', '.join(KINDS)}")
     ap.add_argument("--delay-s", type=float, default=0.5, help="how long a delayed request is held back (s)")
     ap.add_argument("--only", default="", help="fault only requests whose path matches this regular expression")
