@@ -234,3 +234,84 @@ def test_process_1_killed_in_the_middle_of_a_save(two, tmp_path):
     logged = losses(run)
     assert max(logged) >= 4
     _resume_redoes_the_same_steps(two, run, url, logged)
+
+
+# ---------------------------------------------------------------- the soak
+
+LOCAL = os.path.join(ROOT, "launch", "local.py")
+
+
+def _children(pid):
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+def _leaves(path):
+    meta = checkpoint.read_metadata(path)
+    return {name: checkpoint.open_leaf(path, name).read().result() for name in sorted(meta["leaves"])}
+
+
+def _logged(run):
+    """The newest step in a run's metrics.jsonl (0 before any)."""
+    return max(losses(run), default=0) if (run / "metrics.jsonl").exists() else 0
+
+
+def test_soak_sigkill_at_random_moments_of_a_two_process_run(tiny_dense, tmp_path):
+    """A 2-process run (launch/local.py) saving every step and keeping 2 (so every step also deletes one),
+    one of its processes SIGKILLed at a random moment (start-up, compilation, steps, saves, deletions) 30
+    times (STENCIL_SOAK_KILLS) and resumed each time: the newest complete checkpoint always verifies, and
+    the final losses and weights equal those of the same run never killed."""
+    import random
+
+    kills_wanted = int(os.environ.get("STENCIL_SOAK_KILLS", "30"))
+    rng, steps = random.Random(0), 80
+    run, straight = tmp_path / "run", tmp_path / "straight"
+
+    def launch(run_dir, *extra):
+        flags = tiny_dense.flags(run_dir, **END_ONLY, steps=steps, save_every=1, keep_checkpoints=2)
+        return subprocess.Popen([sys.executable, LOCAL, "--nproc", "2", "--devices", "4", "--", *flags, *extra],
+                                env=sub_env(STENCIL_HEARTBEAT_TIMEOUT="10"), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+
+    p = launch(straight)
+    out, _ = p.communicate(timeout=900)
+    assert p.returncode == 0, out[-3000:]
+    ck, kills, resumes, t_first = str(run / "checkpoints"), 0, 0, 20.0
+    while kills < kills_wanted:
+        resume = ["--resume", "true"] if checkpoint.latest(ck) else []
+        resumes += bool(resume)
+        p = launch(run, *resume)
+        t0 = time.monotonic()
+        try:
+            if kills % 2 == 0:  # any moment from the start: start-up, compilation, the first steps
+                time.sleep(rng.uniform(0.0, t_first))
+            else:  # a moment after this start's first logged step: steps, saves, deletions
+                seen = _logged(run)
+                while p.poll() is None and _logged(run) <= seen:
+                    time.sleep(0.05)
+                t_first = 0.8 * t_first + 0.2 * (time.monotonic() - t0)
+                time.sleep(rng.uniform(0.0, 1.5))
+            if p.poll() is not None:  # ended before this kill: only by completing the run
+                assert p.returncode == 0, p.communicate()[0][-3000:]
+                break
+            kids = _children(p.pid)
+            if kids:
+                os.kill(rng.choice(kids), 9)
+                kills += 1
+            p.communicate(timeout=120)
+        finally:
+            if p.poll() is None:
+                p.kill()
+        last = checkpoint.latest(ck)  # never raises: nothing damaged is named a checkpoint
+        assert last is None or checkpoint.verify(last, checksums=True) == []
+    p = launch(run, "--resume", "true")
+    out, _ = p.communicate(timeout=900)
+    assert p.returncode == 0, out[-3000:]
+    print(f"\nsoak: {kills} SIGKILLs, {resumes + 1} resumes; the run reached step {steps}")
+    assert kills >= kills_wanted
+    got, want = losses(run), losses(straight)
+    assert sorted(got) == list(range(1, steps + 1)) and got == want
+    a, b = _leaves(checkpoint.latest(ck)), _leaves(checkpoint.latest(str(straight / "checkpoints")))
+    assert sorted(a) == sorted(b)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
