@@ -266,15 +266,23 @@ def _write(directory, final, step, host, meta, keep, ocdbt) -> None:
                 store.write(f"files.p{me}.json", json.dumps({"error": f"{type(e).__name__}: {e}"})).result()
             except Exception:
                 pass
+        removed = False
         if me == 0:
             try:
                 _delete(final)
+                removed = True
             except Exception:
                 pass  # unreachable storage: the next save deletes it; without a commit record it is invisible
+        who = f"process {me} of {n}: " if n > 1 else ""  # which process's part failed
         if isinstance(e, _NotFinite):
-            raise CheckpointError(f"{e}; the last checkpoint in {directory} is {latest_name(directory)}") from None
-        raise CheckpointError(f"saving step {step} to {final} failed: {type(e).__name__}: {e}. Its partial files "
-                              f"were removed; the last checkpoint is {latest_name(directory)}") from e
+            raise CheckpointError(f"{who}{e}; the last checkpoint in {directory} is {latest_name(directory)}") \
+                from None
+        what = "Its partial files were removed" if removed else \
+            "It has no commit record, so it is not a checkpoint (its partial files are deleted by the next save)"
+        budget = " (the object store kept failing past the retry budget, STENCIL_STORE_RETRIES)" \
+            if "retry attempts failed" in str(e) else ""
+        raise CheckpointError(f"{who}saving step {step} to {final} failed{budget}: {type(e).__name__}: {e}. {what}; "
+                              f"the last checkpoint is {latest_name(directory)}") from e
     if me == 0:
         _tidy(directory, final, keep)
 
@@ -422,6 +430,19 @@ def _step_dirs(directory: str) -> list[str]:
     Partial saves (no commit record) and leftovers of the older protocol are not listed."""
     scan = objstore.scan(directory)
     return [join(directory, name) for name in sorted(scan) if _STEP_DIR.match(name) and COMMIT in scan[name]]
+
+
+def partial(directory: str) -> list[tuple[str, str]]:
+    """(name, why) of every step folder in `directory` that is not a checkpoint because it has no commit
+    record: skipped by `latest` and a resume, and deleted by the next save."""
+    out = []
+    for name, keys in sorted(objstore.scan(directory).items()):
+        if _STEP_DIR.match(name) and COMMIT not in keys:
+            what = (f"{len(keys)} files, but " if keys else "") + f"no {COMMIT} (its commit record)"
+            why = f"{what}: a save that did not finish, or a deleted commit record; not a checkpoint, skipped " \
+                  "(the next save deletes it)"
+            out.append((name, why))
+    return out
 
 
 def all_checkpoints(directory: str) -> list[str]:

@@ -12,6 +12,7 @@ variables, `~/.aws` files or instance roles, and for an S3-compatible store (R2,
 server) `AWS_ENDPOINT_URL_S3` or `AWS_ENDPOINT_URL` with `AWS_REGION`.
 
     is_url(loc), kvstore_spec(loc), location_error(loc), join / parent / basename
+    request_retries()              the retry budget of every object-store request (STENCIL_STORE_RETRIES)
     store(loc)                     the opened kvstore (cached per spec)
     scan(loc)                      {top-level name: {keys under it}}
     delete(loc, first=KEY)         everything under loc, KEY first (a checkpoint's commit record)
@@ -33,9 +34,37 @@ from shared.errors import StencilError
 WRITABLE = ("file", "gs", "s3")  # the schemes a checkpoint, a lock or a new token store can be written to
 READABLE = WRITABLE + ("http", "https")
 
-# Request retries on object stores: None = the driver's own (many retries with long backoff: a store that is
-# unreachable makes an operation wait for minutes). `python -m shared.checkpoint` bounds them.
+# Request retries on object stores. Real buckets throttle (HTTP 503 SlowDown), reset connections and stall:
+# every request to gs://, s3:// and http(s):// (reads, writes, listings, deletions, of checkpoints, token
+# stores and locks) is retried by tensorstore's driver with exponential backoff, within a bounded budget:
+# STENCIL_STORE_RETRIES="RETRIES,FIRST_DELAY_S,MAX_DELAY_S" (default below: about 1 minute of retries per
+# request before its error is raised; the drivers' own default is 32 retries up to 32 s apart, a quarter of an
+# hour). A request still failing past the budget raises, and the operation's error names what it was doing.
+# REQUEST_RETRIES, when set, overrides the variable (`python -m shared.checkpoint list` answers within ~15 s).
+DEFAULT_RETRIES = "10,0.2,10"
 REQUEST_RETRIES: dict | None = None
+
+
+class StoreSettingError(StencilError, ValueError):
+    """STENCIL_STORE_RETRIES that cannot be used: the message says what it must be."""
+
+
+def request_retries() -> dict:
+    """The retry budget of one object-store request, as tensorstore's `*_request_retries` context resource."""
+    if REQUEST_RETRIES is not None:
+        return REQUEST_RETRIES
+    raw = os.environ.get("STENCIL_STORE_RETRIES") or DEFAULT_RETRIES
+    try:
+        n, first, most = raw.split(",")
+        n, first, most = int(n), float(first), float(most)
+        ok = 0 <= n <= 1000 and 0 < first <= most <= 3600
+    except ValueError:
+        ok = False
+    if not ok:
+        raise StoreSettingError(f"STENCIL_STORE_RETRIES={raw!r}: expected RETRIES,FIRST_DELAY_S,MAX_DELAY_S with "
+                                f"0 <= RETRIES <= 1000 and 0 < FIRST_DELAY_S <= MAX_DELAY_S <= 3600 (default "
+                                f"{DEFAULT_RETRIES})")
+    return {"max_retries": n, "initial_delay": f"{first}s", "max_delay": f"{most}s"}
 
 
 class LocationError(StencilError, ValueError):
@@ -62,7 +91,8 @@ def kvstore_spec(location: str, *, read_only: bool = False) -> dict:
     scheme, rest = loc.split("://", 1)
     allowed = READABLE if read_only else WRITABLE
     if scheme in ("http", "https") and read_only:
-        return {"driver": "http", "base_url": loc.rstrip("/") + "/"}
+        return {"driver": "http", "base_url": loc.rstrip("/") + "/",
+                "context": {"http_request_retries": request_retries()}}
     bucket, _, prefix = rest.partition("/")
     if scheme not in allowed or not bucket:
         raise LocationError(f"{location!r}: a location is a local path, file://PATH, gs://BUCKET[/PREFIX] or "
@@ -70,8 +100,7 @@ def kvstore_spec(location: str, *, read_only: bool = False) -> dict:
     if ".." in prefix.split("/"):
         raise LocationError(f"{location!r}: '..' is not allowed in an object-store prefix")
     path = prefix.strip("/") + "/" if prefix.strip("/") else ""
-    retries = {"context": {f"{'gcs' if scheme == 'gs' else 's3'}_request_retries": REQUEST_RETRIES}} \
-        if REQUEST_RETRIES else {}
+    retries = {"context": {f"{'gcs' if scheme == 'gs' else 's3'}_request_retries": request_retries()}}
     if scheme == "gs":
         return {"driver": "gcs", "bucket": bucket, "path": path, **retries}
     spec = {"driver": "s3", "bucket": bucket, "path": path, **retries}

@@ -21,7 +21,8 @@ Each piece is a small function or class of its own, read top to bottom:
                       `set_aside` moves them and their metric rows into <run_dir>/abandoned-after-<step>-<time>/
   schedule_change     the warning when a resumed run's learning rate at its first step differs from the saved run's
   refuse_resume       every refusal that is the same for every variant: another model or data config,
-                      another data stream, another optimizer, a weight average turned on or off, no steps left
+                      another data stream, another optimizer, a weight average turned on or off, a checkpoint
+                      past the end (one at the end is a complete run: `Run.complete`, nothing trains, exit 0)
   Clock               tokens/s and MFU between log lines, less the time set aside (eval, saves, samples); the peak
                       MFU is against is named once at the start and kept in config.json ("peak")
   Profiler            a jax.profiler trace of the steps A..B (--profile_steps), with the compiled program's text
@@ -192,9 +193,10 @@ def refuse_resume(cfg, meta: dict, stream: dict, path: str) -> None:
         raise TrainingError(f"--resume: {path} was saved with --optim.ema {saved.get('optim', {}).get('ema', 0.0)}"
                             f" and this run asks for --optim.ema {cfg.optim.ema}: a weight average can be "
                             "retuned on resume, not turned on or off")
-    if meta["step"] >= (cfg.stop_at or cfg.steps):
-        raise TrainingError(f"--resume: {path} is at step {meta['step']}, and this run ends at step "
-                            f"{cfg.stop_at or cfg.steps} (--steps / --stop_at): nothing to train")
+    if meta["step"] > (cfg.stop_at or cfg.steps):  # at the end itself the run is complete (Run.complete)
+        raise TrainingError(f"--resume: {path} is at step {meta['step']}, past the end of this run at step "
+                            f"{cfg.stop_at or cfg.steps} (--steps / --stop_at): it holds more steps than this "
+                            f"run asks for; pass --steps (or --stop_at) {meta['step']} or more")
 
 
 SCHEDULE_FIELDS = ("lr", "steps", "warmup_steps", "min_lr_ratio", "optim.schedule", "optim.decay_frac",
@@ -380,10 +382,14 @@ class Run:
                                      "(set data.tokenizer)")
             self.lm_eval_tasks = lm_eval_model.check_tasks(cfg.lm_eval_tasks, cfg.lm_eval_include)
         self.start, self.end = 0, cfg.stop_at or cfg.steps
+        self.skipped = []  # partial checkpoint folders a resume passed over: named in the run's first lines
         if self.checkpoint:
             self.meta = meta = checkpoint.read_metadata(self.checkpoint)
             refuse_resume(cfg, meta, self.stream, self.checkpoint)
             self.start = meta["step"]
+            self.skipped = checkpoint.partial(self.ckpt_dir) if jax.process_index() == 0 else []
+        # re-run after it finished (a retry wrapper, a requeued job): nothing to train, main() returns (exit 0)
+        self.complete = self.checkpoint is not None and self.start == self.end
         self.later = later_branch(self.ckpt_dir, self.checkpoint, self.start) if self.checkpoint else []
 
     def __enter__(self):
@@ -423,6 +429,11 @@ class Run:
         self.write(f"{self.variant}: {n_params / 1e6:.2f}M params, {flops_per_token / 1e6:.1f} MFLOP/token, mesh "
                    f"{dict(mesh.shape)}, {cfg.batch_size * cfg.seq_len} tokens/step, steps {self.start}->{self.end}, "
                    f"run dir {self.run_dir}")
+        for name, why in self.skipped:
+            self.write(f"resume: ignored {checkpoint.join(self.ckpt_dir, name)}: {why}")
+        if self.complete:
+            self.write(f"this run is complete: {self.checkpoint} is at step {self.end}, its last step (--steps / "
+                       f"--stop_at); nothing to train. To train further, raise --steps (or --stop_at)")
         # the peak MFU is against: said once, and kept in config.json (tools/compare_runs.py compares runs' peaks)
         self.write(f"MFU is against {self.peak / 1e9:,.1f} GFLOP/s per device: {self.peak_src}")
         self.logger.record("peak", {"per_device": self.peak, "source": self.peak_src})
@@ -562,4 +573,4 @@ class Run:
         """Wait for the last save to complete; what main() returns."""
         self.saver.wait()
         return {"run_dir": self.run_dir, "losses": self.fetched.losses, "val_loss": self.val_loss, "step": self.end,
-                "sample": self.sample, "state": state}
+                "sample": self.sample, "state": state, "already_complete": self.complete}

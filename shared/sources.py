@@ -310,7 +310,8 @@ def text_store(cfg: DataConfig, spec: str, tok, tok_digest: str, vocab_size: int
 
 
 def npy_store(cfg: DataConfig, spec: str, tok, tok_digest: str, vocab_size: int) -> tuple[TokenStore, str]:
-    """A .npy of token ids as a store in the cache (documents end at eos; a missing last eos is added)."""
+    """A .npy of token ids as a store in the cache (documents end at eos; a missing last eos is added; a file
+    without any eos is refused: it would be a single document)."""
     path = os.path.expanduser(spec)
     if not os.path.isfile(path):
         raise DataError(f"pre-tokenized file {path!r} does not exist")
@@ -325,6 +326,13 @@ def npy_store(cfg: DataConfig, spec: str, tok, tok_digest: str, vocab_size: int)
         raise DataError(f"{path}: token ids span [{lo}, {hi}] but vocab_size is {vocab_size} (ids out of range)")
     eos = eos_id_of(tok) if tok is not None else 0
     arr = np.asarray(arr).astype(tokenstore.token_dtype(vocab_size))
+    if not (arr == eos).any():  # one document of all the ids: almost surely another end-of-document id
+        raise DataError(f"{path}: no end-of-document id ({eos}, "
+                        + (f"the eos of {cfg.tokenizer or 'the tokenizer'}" if tok is not None else
+                           "the id a .npy without a tokenizer ends its documents with")
+                        + f") among its {arr.size} token ids, so it holds no document boundary. End every "
+                        f"document with id {eos}" + ("" if tok is not None else
+                                                     " (or set --data.tokenizer to the tokenizer whose eos it uses)"))
     if arr[-1] != eos:
         arr = np.append(arr, np.asarray(eos, arr.dtype))
     digest = hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest()

@@ -1,6 +1,7 @@
 """Tests for shared/data.py on small synthetic corpora (cache in tmp_path)."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -165,6 +166,16 @@ def test_pretokenized_npy(tmp_path):
         c.decode([1])
     with pytest.raises(DataError, match=r"token ids span \[0, 12\] but vocab_size is 12"):
         load_corpus(DataConfig(source=str(p), cache_dir=str(tmp_path)), 12)
+
+
+def test_npy_without_any_eos_is_refused_naming_the_file(tmp_path):
+    """No id 0 anywhere: one document, not a train/validation problem of the cache's store."""
+    p = tmp_path / "no_eos.npy"
+    np.save(p, np.arange(1, 200) % 15 + 1)
+    with pytest.raises(DataError, match=rf"^{re.escape(str(p))}: no end-of-document id \(0, .*among its 199 token "
+                                        r"ids.*End every document with id 0") as e:
+        load_corpus(DataConfig(source=str(p), val_fraction=0.1, cache_dir=str(tmp_path / "c")), 16, progress=False)
+    assert "train/val" not in str(e.value) and not (tmp_path / "c").exists()  # nothing cached for it
 
 
 def test_max_bytes_caps_corpus(tmp_path):

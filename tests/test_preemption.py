@@ -141,12 +141,30 @@ def test_the_watchdog_aborts_a_hung_step_with_every_stack(tiny_dense, tmp_path):
 
 # ---------------------------------------------------------------- resume refuses what it cannot honour
 
-def test_resume_refuses_what_would_change_the_data(small_corpus, tiny_dense, tmp_path):
+def test_resume_refuses_what_would_change_the_data(small_corpus, tiny_dense, tmp_path, capsys):
     run = tmp_path / "run"
-    train.main(small(tiny_dense, run, steps=6, stop_at=3))
+    first = train.main(small(tiny_dense, run, steps=6, stop_at=3))
     tokenizer = (run / "tokenizer.json").read_bytes()
-    with pytest.raises(TrainingError, match=r"at step 3, and this run ends at step 3.*nothing to train"):
-        train.main(small(tiny_dense, run, steps=6, stop_at=3, resume=True))
+
+    # Started again once complete (a retry wrapper, a requeued job): trains nothing and returns (exit 0),
+    # naming a newer folder that never committed; fewer steps than the checkpoint holds stays an error.
+    rows, ck = (run / "metrics.jsonl").read_text(), run / "checkpoints"
+    (ck / "step_00000005" / "arrays").mkdir(parents=True)
+    (ck / "step_00000005" / "arrays" / "x").write_bytes(b"1")
+    capsys.readouterr()
+    again = train.main(small(tiny_dense, run, steps=6, stop_at=3, resume=True))
+    text = "".join(capsys.readouterr())
+    assert again["already_complete"] and again["losses"] == {} and again["step"] == 3
+    assert f"this run is complete: {ck / 'step_00000003'} is at step 3, its last step" in text, text
+    assert (f"resume: ignored {ck / 'step_00000005'}: 1 files, but no metadata.json (its commit record): a save "
+            "that did not finish") in text, text
+    for x, y in zip(jax.tree.leaves(again["state"]), jax.tree.leaves(first["state"])):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert (run / "metrics.jsonl").read_text() == rows  # nothing trained, nothing logged over it
+    assert checkpoint.all_checkpoints(str(ck)) == [str(ck / "step_00000003")]
+    with pytest.raises(TrainingError, match=r"step_00000003 is at step 3, past the end of this run at step 2 .*"
+                                            r"pass --steps \(or --stop_at\) 3 or more"):
+        train.main(small(tiny_dense, run, steps=6, stop_at=2, resume=True))
     with pytest.raises(TrainingError, match=r"data stream differs.*'seq_len': \(32, 16\)"):
         train.main(small(tiny_dense, run, steps=6, seq_len=16, resume=True))
     other = tmp_path / "other"

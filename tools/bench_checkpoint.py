@@ -16,6 +16,12 @@ the fraction of those steps that actually overlapped the write.
     python tools/bench_checkpoint.py                                 # CPU default config, local + s3
     python tools/bench_checkpoint.py --config 100m --rounds 3        # ~100M parameters (1.2 GB of state)
     python tools/bench_checkpoint.py --stores local                  # no S3 server
+    python tools/bench_checkpoint.py --faults 0,0.1,0.3 --rounds 5   # S3 behind tools/fault_proxy.py
+
+With --faults, only synchronous saves to the S3 server are timed, through tools/fault_proxy.py faulting
+each given share of requests (503 SlowDown, a connection reset or a delay of --fault-delay-s, drawn in
+equal parts: the first two fail the request), one share after the other in each round; every request is retried within the budget
+of shared/objstore.py (STENCIL_STORE_RETRIES, its default unless set).
 """
 
 from __future__ import annotations
@@ -35,8 +41,9 @@ sys.path.insert(0, HERE)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+import fault_proxy  # noqa: E402
 import local_objstore  # noqa: E402
-from shared import checkpoint, cli  # noqa: E402
+from shared import checkpoint, cli, objstore  # noqa: E402
 from shared.variant import load  # noqa: E402
 
 CONFIGS = {
@@ -54,7 +61,13 @@ def main(argv=None):
     ap.add_argument("--stores", default="local,s3", help="comma-separated: local, s3")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps-per-round", type=int, default=4)
+    ap.add_argument("--faults", default="", help="comma-separated shares of faulted requests (e.g. 0,0.1,0.3): "
+                    "time synchronous S3 saves through tools/fault_proxy.py at each")
+    ap.add_argument("--fault-delay-s", type=float, default=0.5, help="how long a delayed request is held (with --faults)")
     args = ap.parse_args(argv)
+    shares = [float(x) for x in args.faults.split(",")] if args.faults else []
+    if any(not 0 <= x < 1 for x in shares):
+        ap.error(f"--faults {args.faults}: each share must be in [0, 1)")
 
     train = load(os.path.join(ROOT, "variants", "dense", "train.py"))
     cfg = cli.parse(train.TrainConfig, train.HERE, [*CONFIGS[args.config], "--wandb", "disabled"])
@@ -79,6 +92,8 @@ def main(argv=None):
         print(f"dense {args.config}: {train.model.num_params(cfg.model) / 1e6:.1f}M params, state {n_bytes / 1e9:.3f} GB "
               f"({len(jax.tree.leaves(state))} arrays), mesh {dict(mesh.shape)}, {jax.devices()[0].platform}; "
               f"{args.rounds} rounds of {args.steps_per_round} steps", flush=True)
+        if shares:
+            return _faults(state, shares, args)
         rows = []
         with tempfile.TemporaryDirectory() as tmp, _s3_if("s3" in args.stores.split(",")) as s3:
             for store in args.stores.split(","):
@@ -116,6 +131,38 @@ def main(argv=None):
     for store, s, b, q, bz, ov in rows:
         print(f"| {store} | {s:.3f} s | {b:.3f} s | **{b / s:.1%}** | {q * 1e3:.0f} ms | {bz * 1e3:.0f} ms "
               f"| {bz / q:.2f}x | {ov:.0%} |")
+
+
+def _faults(state, shares, args):
+    """Synchronous saves to the S3 server through the fault proxy, round after round, each share in turn."""
+    times = {f: [] for f in shares}
+    counts = {f: {"requests": 0, **{k: 0 for k in fault_proxy.KINDS}} for f in shares}
+    with local_objstore.s3_server() as s3, fault_proxy.fault_proxy(s3.endpoint, delay_s=args.fault_delay_s,
+                                                                 seed=0) as proxy:
+        where = s3.bucket("stencil-bench-faults") + "/ck"
+        os.environ["AWS_ENDPOINT_URL_S3"] = proxy.url  # restored by s3_server on exit
+        step = 0
+        for r in range(args.rounds):
+            for f in shares:
+                proxy.fail, before = f, dict(proxy.counts)
+                step += 1
+                t = time.perf_counter()
+                checkpoint.save(where, step, state, {"round": r}, keep=1)
+                times[f].append(time.perf_counter() - t)
+                for k in counts[f]:
+                    counts[f][k] += proxy.counts[k] - before[k]
+                print(f"  round {r} faults {f:.0%}: {times[f][-1]:.2f} s", flush=True)
+    retries = objstore.request_retries()
+    print(f"\nretry budget per request: {retries['max_retries']} retries, first after {retries['initial_delay']}, "
+          f"at most {retries['max_delay']} apart; delayed requests held {args.fault_delay_s} s; {args.rounds} rounds")
+    print("\n| requests faulted | sync save (median) | min | max | vs 0% | requests per save | 503 / reset / delay "
+          "per save |\n|---|---|---|---|---|---|---|")
+    base = statistics.median(times[shares[0]])
+    for f in shares:
+        c, n = counts[f], len(times[f])
+        print(f"| {f:.0%} | {statistics.median(times[f]):.2f} s | {min(times[f]):.2f} s | {max(times[f]):.2f} s "
+              f"| {statistics.median(times[f]) / base:.2f}x | {c['requests'] / n:.0f} | {c['503'] / n:.1f} / "
+              f"{c['reset'] / n:.1f} / {c['delay'] / n:.1f} |")
 
 
 class _s3_if:
