@@ -148,4 +148,4 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(module))
 
 
-SERIAL_MODULES = ("test_slurm", "test_objstore", "test_launch", "test_preemption")
+SERIAL_MODULES = ("test_slurm", "test_objstore", "test_launch", "test_preemption", "test_faults")
