@@ -115,7 +115,7 @@ TRAIN_FIELDS: dict[str, Rule] = {
     "lr": positive, "min_lr_ratio": in_range(0, 1), "weight_decay": in_range(0, 1, hi_open=True),
     "beta1": in_range(0, 1, hi_open=True), "beta2": in_range(0, 1, hi_open=True), "grad_clip": at_least(0),
     "mesh_data": lambda v: None if v == -1 or v > 0 else f"must be -1 or positive, got {v}",
-    "mesh_model": positive, "eval_every": at_least(0), "eval_batches": positive,
+    "mesh_model": positive, "mesh_context": positive, "eval_every": at_least(0), "eval_batches": positive,
     "init_from": lambda v: None if v == "" or (v.startswith("hf:") and len(v) > 3) else
     f"must be '' or hf:DIR (a Hugging Face model directory), got {v!r}",
     "sample_every": at_least(0), "sample_tokens": at_least(0), "seed": at_least(0),

@@ -664,6 +664,69 @@ def test_a_folder_without_a_cache_is_told_what_to_add():
         check_decoding(r)
 
 
+# Context parallelism: each row split over CONTEXT devices on the `context` axis gives the logits, loss and
+# gradients of the whole row (fp32 tolerance), for packed rows whose documents cross the shard boundaries
+# (row 0: inside both halves, row 1: a document starting exactly at token 16, a boundary of 2 and 4 shards,
+# others at 8 and 24, boundaries of 4 shards). Context 2 in the fast tier; 4 with the integration tier.
+CONTEXT_DOCS = [[0, 5, 14, 27], [0, 8, 16, 24], [0, 3], [0, 17], [0], [0, 30], [0, 11, 12, 13], [0, 31]]
+
+
+def _context_batch(vocab):
+    rng = np.random.default_rng(1)
+    toks = rng.integers(0, vocab, (ROWS, T + 1), dtype=np.int32)
+    seg = np.zeros((ROWS, T), np.int32)
+    for i, starts in enumerate(CONTEXT_DOCS):
+        seg[i] = np.searchsorted(starts, np.arange(T), side="right")
+    mask = np.ones((ROWS, T), np.float32)
+    mask[3, 20:] = 0
+    return {"tokens": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": seg, "loss_mask": mask}
+
+
+def context_config(r: TinyRun, context: int):
+    """r's tiny config with `context` devices on the context axis (model axis 1 at 4); a window longer
+    than a shard (swa_hybrid, moe_hero at 4: 16 > 8 + 1) is shortened to the longest one allowed."""
+    over = dict(mesh_context=context, **({"mesh_model": 1} if context > 2 else {}))
+    model_cfg = r.cfg.model
+    if hasattr(model_cfg, "window") and model_cfg.window - 1 > T // context:
+        model_cfg = dataclasses.replace(model_cfg, window=T // context + 1)
+    return dataclasses.replace(r.cfg, model=model_cfg, **over), model_cfg
+
+
+def context_outputs(r: TinyRun, cfg) -> tuple:
+    """(logits, loss, gradients) as numpy for the context batch, at config `cfg` on its own mesh."""
+    mesh = r.train.make_mesh(cfg)
+    with jax.set_mesh(mesh):
+        params = jax.jit(lambda k: r.train.init_state(cfg, r.train.make_optimizer(cfg)[0], k))(r.key)["params"]
+        batch = {k: jax.device_put(v, NamedSharding(mesh, r.train.batch_spec(0)))
+                 for k, v in _context_batch(cfg.model.vocab_size).items()}
+
+        def f(params, batch):
+            (loss, _), grads = jax.value_and_grad(lambda p: r.model.loss_fn(p, batch, cfg.model), has_aux=True)(params)
+            return r.model.forward(params, batch["tokens"], cfg.model, segment_ids=batch["segment_ids"]), loss, grads
+
+        return jax.tree.map(np.asarray, jax.jit(f).lower(params, batch).compile(COMPILE)(params, batch))
+
+
+def check_context_parallel(r: TinyRun, context: int):
+    cfg, model_cfg = context_config(r, context)
+    whole = context_outputs(r, dataclasses.replace(r.cfg, model=model_cfg))
+    split = context_outputs(r, cfg)
+    for what, a, b in (("logits", split[0], whole[0]), ("loss", split[1], whole[1])):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5, err_msg=(
+            f"{r.folder}: the {what} with each row split over mesh_context={context} differ from the whole row's"))
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(split[2])[0], jax.tree.leaves(whole[2])):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=(
+            f"{r.folder}: the gradient of {jax.tree_util.keystr(path)} with mesh_context={context} differs "
+            f"from the whole row's"))
+
+
+@pytest.mark.parametrize("context", [2, pytest.param(4, marks=pytest.mark.integration(
+    reason="context 4: a second compile of every folder's model and gradients (2 is in the fast tier)"))])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_context_parallel_is_exact(variant, context):
+    check_context_parallel(tiny_run(variant), context)
+
+
 def _with_attention_backend(cfg, name):
     """(cfg with attention backend `name`, the layer kinds it runs on): every attention layer, or where a
     variant has sliding-window layers and its config refuses `name` for them, the global layers only

@@ -20,6 +20,7 @@ the order `auto` tries them:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import jax
@@ -156,6 +157,15 @@ BACKENDS: dict[str, Backend] = {
 }
 
 
+def _sequence_split(x) -> int:
+    """How many devices x's axis 1 (the sequence) is split over: > 1 under context parallelism."""
+    names = spec(x)[1]
+    if names is None:
+        return 1
+    sizes = dict(zip(jax.sharding.get_abstract_mesh().axis_names, jax.sharding.get_abstract_mesh().axis_sizes))
+    return math.prod(sizes[a] for a in (names if isinstance(names, tuple) else (names,)))
+
+
 def cross_entropy(hidden, w_out, targets, mask, *, max_logits=MAX_LOGITS, backend="auto"):
     """Summed next-token loss terms. hidden [B, T, D], w_out [D, V], targets/mask [B, T].
 
@@ -164,18 +174,21 @@ def cross_entropy(hidden, w_out, targets, mask, *, max_logits=MAX_LOGITS, backen
     """
     B, T, D = hidden.shape
     V = w_out.shape[1]
-    c = _chunk_len(B, T, V, max_logits)
-    n = T // c
-    call = Call((B, c, V), split(w_out, -1))
+    S = _sequence_split(hidden)  # > 1 under context parallelism: each device's part of a row is chunked
+    c = _chunk_len(B * S, T // S, V, max_logits)
+    n = T // (S * c)
+    call = Call((B, S * c, V), split(w_out, -1))
     rows = choose("cross_entropy", BACKENDS, call, backend, error=CrossEntropyError,
                   key=f"logits chunk {call.logits_shape}").run
 
-    def by_chunk(x):  # [B, T, ...] -> [n, B, c, ...]
-        return jnp.moveaxis(x.reshape(B, n, c, *x.shape[2:]), 1, 0)
+    def by_chunk(x):  # [B, T, ...] -> [n, B, c, ...], or [n, B, S, c, ...]: the n-th chunk of each device's part
+        if S == 1:
+            return jnp.moveaxis(x.reshape(B, n, c, *x.shape[2:]), 1, 0)
+        return jnp.moveaxis(x.reshape(B, S, n, c, *x.shape[2:]), 2, 0)
 
     def chunk(carry, xs):
         h, t, m = xs
-        logits = jnp.einsum("bcd,dv->bcv", h, w_out, preferred_element_type=jnp.float32)
+        logits = jnp.einsum("...d,dv->...v", h, w_out, preferred_element_type=jnp.float32)
         loss, lse = rows(logits, t)
         nll, zsq = carry
         return (nll + jnp.sum(loss * m), zsq + jnp.sum(lse**2 * m)), None

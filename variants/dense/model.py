@@ -2,7 +2,8 @@
 
 Parameters are a plain dict of arrays; `param_specs` gives a PartitionSpec for every leaf
 on a mesh with explicit axes `data` (FSDP: weights sharded, gathered at use; batch
-sharded) and `model` (tensor parallelism: heads and FFN width sharded). Layers are
+sharded), `context` (each row's sequence split: shared/kernels/context.py) and `model`
+(tensor parallelism: heads and FFN width sharded). Layers are
 stacked on a leading axis and run with `jax.lax.scan`.
 
 Copied from templates/base; this variant adds grouped-query attention, optional tied
@@ -25,6 +26,7 @@ from jax.sharding import reshard
 from shared import flops, kernels
 from shared import weights as weights_lib
 from shared.config import ConfigError, check, check_types  # noqa: F401  (model.ConfigError, model.check)
+from shared.kernels import context
 from shared.weights import Weight, normal, ones
 
 COPIED_FROM = "templates/base"
@@ -166,6 +168,12 @@ def rope(x, angles):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def acts(*rest):
+    """PartitionSpec of activations [B, T, ...]: rows over `data`, the sequence over `context` (where the
+    mesh has that axis; shared/kernels/context.py), then `rest`."""
+    return P("data", context.axis(), *rest)
+
+
 def gather(w, spec, dtype):
     """FSDP: all-gather a weight over `data` (keep its `model` sharding) and cast for compute."""
     return reshard(w, spec).astype(dtype)
@@ -178,7 +186,7 @@ def block(x, layer, angles, segment_ids, cfg: ModelConfig, cache=None):
     to the cache instead (`attend_cache`); the cache's updated {"k", "v"} come back then."""
     dt = x.dtype
     B, T, _ = x.shape
-    col, row, heads = P(None, "model"), P("model", None), P("data", None, "model", None)
+    col, row, heads = P(None, "model"), P("model", None), acts("model", None)
 
     with jax.named_scope("attention"):
         h = rms_norm(x, layer["attn_norm"], cfg.norm_eps)
@@ -187,20 +195,20 @@ def block(x, layer, angles, segment_ids, cfg: ModelConfig, cache=None):
         v = jnp.einsum("btd,dk->btk", h, gather(layer["wv"], col, dt)).reshape(B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads)
         q, k = rope(q, angles), rope(k, angles)
         if cache is None:
-            o = kernels.attention(q, k, v, segment_ids=segment_ids, causal=True, backend=cfg.attention_backend)
+            o = context.attention(q, k, v, segment_ids=segment_ids, causal=True, backend=cfg.attention_backend)
             kv = {"k": k, "v": v}
         else:
             kv = {n: jax.lax.dynamic_update_slice_in_dim(cache[n], new, cache["slot"], axis=1) for n, new in (("k", k), ("v", v))}
             o = attend_cache(q, kv["k"], kv["v"], cache["visible"])
-        o = o.reshape(B, T, cfg.n_heads * cfg.head_dim, out_sharding=P("data", None, "model"))
-        x = x + jnp.einsum("btq,qd->btd", o, gather(layer["wo"], row, dt), out_sharding=P("data", None, None))
+        o = o.reshape(B, T, cfg.n_heads * cfg.head_dim, out_sharding=acts("model"))
+        x = x + jnp.einsum("btq,qd->btd", o, gather(layer["wo"], row, dt), out_sharding=acts(None))
 
     with jax.named_scope("mlp"):
         h = rms_norm(x, layer["mlp_norm"], cfg.norm_eps)
         gate = jnp.einsum("btd,df->btf", h, gather(layer["w_gate"], col, dt))
         up = jnp.einsum("btd,df->btf", h, gather(layer["w_up"], col, dt))
         x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, gather(layer["w_down"], row, dt),
-                           out_sharding=P("data", None, None))
+                           out_sharding=acts(None))
     return x, kv
 
 
@@ -215,8 +223,9 @@ def hidden_states(params, tokens, cfg: ModelConfig, *, segment_ids=None, cache=N
     """Final-norm hidden states [B, T, D] in the compute dtype. With `cache` (prefill: an empty one from
     init_cache), also that cache with every layer's keys and values in slots [0, T)."""
     dt = jnp.dtype(cfg.compute_dtype)
-    x = reshard(params["embed"], P(None, None)).at[tokens].get(out_sharding=P("data", None, None)).astype(dt)
-    angles = rope_angles(positions(tokens, segment_ids), cfg.head_dim, cfg.rope_theta)
+    x = reshard(params["embed"], P(None, None)).at[tokens].get(out_sharding=acts(None)).astype(dt)
+    pos = positions(context.whole_row(tokens), None if segment_ids is None else context.whole_row(segment_ids))
+    angles = rope_angles(reshard(pos, acts()), cfg.head_dim, cfg.rope_theta)
 
     def step(x, layer):
         with jax.named_scope("layer"):  # profiles read layer/attention, layer/mlp (tools/profile_top.py)
@@ -297,12 +306,12 @@ def attend_cache(q, k, v, visible):
     JAX, not shared/kernels: a decoding step has one query a row, and the whole cache is read once."""
     B, T, H, D = q.shape
     Hkv = k.shape[2]
-    qg = q.reshape(B, T, Hkv, H // Hkv, D, out_sharding=P("data", None, "model", None, None))
+    qg = q.reshape(B, T, Hkv, H // Hkv, D, out_sharding=acts("model", None, None))
     logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * D**-0.5
     logits = jnp.where(visible[:, None, None, None, :], logits, -1e30)
     probs = jax.nn.softmax(logits, axis=-1)
     o = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v)
-    return o.reshape(B, T, H, D, out_sharding=P("data", None, "model", None))
+    return o.reshape(B, T, H, D, out_sharding=acts("model", None))
 
 
 def decode_step(params, token, cache, cfg: ModelConfig):
@@ -310,7 +319,7 @@ def decode_step(params, token, cache, cfg: ModelConfig):
     Returns (logits [B, V] fp32 for the token after it, the cache holding it). The caller keeps the
     slot below max_len (shared/generate.py does): a write past the end would be clamped onto the last slot."""
     dt = jnp.dtype(cfg.compute_dtype)
-    x = reshard(params["embed"], P(None, None)).at[token[:, None]].get(out_sharding=P("data", None, None)).astype(dt)
+    x = reshard(params["embed"], P(None, None)).at[token[:, None]].get(out_sharding=acts(None)).astype(dt)
     angles = rope_angles(cache["pos"][:, None], cfg.head_dim, cfg.rope_theta)
     slots, slot = jnp.arange(cache["k"].shape[2]), cache["slot"]
     visible = (slots[None, :] >= (slot - cache["pos"])[:, None]) & (slots[None, :] <= slot)  # the row's tokens, and this one

@@ -8,7 +8,8 @@ it is the last layer; global_every = 4 is Kimi Linear's 3:1 ratio.
 
 Parameters are a plain dict of arrays; `param_specs` gives a PartitionSpec for every leaf
 on a mesh with explicit axes `data` (FSDP: weights sharded, gathered at use; batch
-sharded) and `model` (tensor parallelism: heads and FFN width sharded). The two kinds of
+sharded), `context` (each row's sequence split: shared/kernels/context.py) and `model`
+(tensor parallelism: heads and FFN width sharded). The two kinds of
 layer have different weights, so they are two stacks, `kda` [n_kda, ...] and `attn`
 [n_attn, ...]. They run as `lax.scan` over super-blocks of (global_every - 1) KDA layers
 (an inner scan) and one attention layer; when n_layers is not a multiple of
@@ -48,8 +49,9 @@ from jax.sharding import reshard
 from shared import flops, kernels
 from shared import weights as weights_lib
 from shared.config import ConfigError, check, check_types  # noqa: F401  (model.ConfigError, model.check)
+from shared.kernels import context
+from shared.kernels.kda import kda_flops_per_token, kda_recurrent
 from shared.weights import Weight, normal, ones, uniform
-from shared.kernels.kda import kda, kda_flops_per_token, kda_recurrent
 
 COPIED_FROM = "variants/dense"
 
@@ -262,6 +264,12 @@ def rope(x, angles):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def acts(*rest):
+    """PartitionSpec of activations [B, T, ...]: rows over `data`, the sequence over `context` (where the
+    mesh has that axis; shared/kernels/context.py), then `rest`."""
+    return P("data", context.axis(), *rest)
+
+
 def gather(w, spec, dtype):
     """FSDP: all-gather a weight over `data` (keep its `model` sharding) and cast for compute."""
     return reshard(w, spec).astype(dtype)
@@ -281,7 +289,7 @@ def short_conv(x, w, docs):
     x [B, T, C], w [W, C] (the last tap weighs the current token), docs [B, T]
     (shared/kernels/conv.py: XLA, or a Triton kernel on GPU).
     """
-    return kernels.short_conv(x, w, docs)
+    return context.short_conv(x, w, docs)
 
 
 def l2_norm(x, eps=1e-6):
@@ -297,7 +305,7 @@ def mlp(x, layer, cfg: ModelConfig):
         gate = jnp.einsum("btd,df->btf", h, gather(layer["w_gate"], col, dt))
         up = jnp.einsum("btd,df->btf", h, gather(layer["w_up"], col, dt))
         return x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, gather(layer["w_down"], row, dt),
-                              out_sharding=P("data", None, None))
+                              out_sharding=acts(None))
 
 
 def kda_block(x, layer, docs, segment_ids, cfg: ModelConfig, cache=None):
@@ -310,7 +318,7 @@ def kda_block(x, layer, docs, segment_ids, cfg: ModelConfig, cache=None):
     dt = x.dtype
     B, T, _ = x.shape
     H, K = cfg.n_heads, cfg.head_dim
-    col, row, heads = P(None, "model"), P("model", None), P("data", None, "model", None)
+    col, row, heads = P(None, "model"), P("model", None), acts("model", None)
     f32 = jnp.float32
     new = {}
 
@@ -322,8 +330,9 @@ def kda_block(x, layer, docs, segment_ids, cfg: ModelConfig, cache=None):
             w = gather(layer["conv_" + name], col, dt)
             if cache is None:
                 n = cfg.conv_size - 1  # the inputs a next token's convolution reads: the last document's
-                tail = jnp.where((docs == docs[:, -1:])[..., None], y, 0)[:, max(T - n, 0):]
-                new["conv_" + name] = jnp.pad(tail, ((0, 0), (n - tail.shape[1], 0), (0, 0)))
+                if context.axis() is None:  # (prefill; under context parallelism only training runs)
+                    tail = jnp.where((docs == docs[:, -1:])[..., None], y, 0)[:, max(T - n, 0):]
+                    new["conv_" + name] = jnp.pad(tail, ((0, 0), (n - tail.shape[1], 0), (0, 0)))
                 y = short_conv(y, w, docs)
             else:
                 y = jnp.concatenate([cache["conv_" + name], y], axis=1)  # [B, conv_size, H * K]
@@ -343,12 +352,13 @@ def kda_block(x, layer, docs, segment_ids, cfg: ModelConfig, cache=None):
         g = -A * jax.nn.softplus(low_rank("forget_down", "forget_up") + dt_bias)  # log decay per key channel, <= 0
         beta = jax.nn.sigmoid(jnp.einsum("btd,dh->bth", h, gather(layer["w_beta"], col, dt)).astype(f32))
         if cache is None:
-            o, new["state"] = kda(q, k, v, g, beta, segment_ids=segment_ids, chunk_size=cfg.chunk_size, impl=cfg.kda_impl)
+            o, new["state"] = context.kda(q, k, v, g, beta, segment_ids=segment_ids, chunk_size=cfg.chunk_size,
+                                          impl=cfg.kda_impl)
         else:
             o, new["state"] = kda_recurrent(q, k, v, g, beta, initial_state=cache["state"])
         o = rms_norm(o, layer["o_norm"], cfg.norm_eps) * jax.nn.sigmoid(low_rank("ogate_down", "ogate_up")).astype(dt)
-        o = o.reshape(B, T, H * K, out_sharding=P("data", None, "model"))
-        x = x + jnp.einsum("btq,qd->btd", o, gather(layer["wo"], row, dt), out_sharding=P("data", None, None))
+        o = o.reshape(B, T, H * K, out_sharding=acts("model"))
+        x = x + jnp.einsum("btq,qd->btd", o, gather(layer["wo"], row, dt), out_sharding=acts(None))
     return mlp(x, layer, cfg), new
 
 
@@ -359,7 +369,7 @@ def block(x, layer, angles, segment_ids, cfg: ModelConfig, cache=None):
     at `slot` and the queries attend to the cache instead (`attend_cache`); the updated {"k", "v"} come back."""
     dt = x.dtype
     B, T, _ = x.shape
-    col, row, heads = P(None, "model"), P("model", None), P("data", None, "model", None)
+    col, row, heads = P(None, "model"), P("model", None), acts("model", None)
 
     with jax.named_scope("attention"):
         h = rms_norm(x, layer["attn_norm"], cfg.norm_eps)
@@ -368,13 +378,13 @@ def block(x, layer, angles, segment_ids, cfg: ModelConfig, cache=None):
         v = jnp.einsum("btd,dk->btk", h, gather(layer["wv"], col, dt)).reshape(B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads)
         q, k = rope(q, angles), rope(k, angles)
         if cache is None:
-            o = kernels.attention(q, k, v, segment_ids=segment_ids, causal=True, backend=cfg.attention_backend)
+            o = context.attention(q, k, v, segment_ids=segment_ids, causal=True, backend=cfg.attention_backend)
             kv = {"k": k, "v": v}
         else:
             kv = {n: jax.lax.dynamic_update_slice_in_dim(cache[n], new, cache["slot"], axis=1) for n, new in (("k", k), ("v", v))}
             o = attend_cache(q, kv["k"], kv["v"], cache["visible"])
-        o = o.reshape(B, T, cfg.n_heads * cfg.head_dim, out_sharding=P("data", None, "model"))
-        x = x + jnp.einsum("btq,qd->btd", o, gather(layer["wo"], row, dt), out_sharding=P("data", None, None))
+        o = o.reshape(B, T, cfg.n_heads * cfg.head_dim, out_sharding=acts("model"))
+        x = x + jnp.einsum("btq,qd->btd", o, gather(layer["wo"], row, dt), out_sharding=acts(None))
     return mlp(x, layer, cfg), kv
 
 
@@ -389,9 +399,10 @@ def hidden_states(params, tokens, cfg: ModelConfig, *, segment_ids=None, cache=N
     """Final-norm hidden states [B, T, D] in the compute dtype. With `cache` (prefill: an empty one from
     init_cache), also that cache holding every layer's state (`store_prompt`)."""
     dt = jnp.dtype(cfg.compute_dtype)
-    x = reshard(params["embed"], P(None, None)).at[tokens].get(out_sharding=P("data", None, None)).astype(dt)
-    angles = rope_angles(positions(tokens, segment_ids), cfg.head_dim, cfg.rope_theta)
-    docs = documents(segment_ids, *tokens.shape)
+    x = reshard(params["embed"], P(None, None)).at[tokens].get(out_sharding=acts(None)).astype(dt)
+    pos = positions(context.whole_row(tokens), None if segment_ids is None else context.whole_row(segment_ids))
+    angles = rope_angles(reshard(pos, acts()), cfg.head_dim, cfg.rope_theta)
+    docs = reshard(documents(None if segment_ids is None else context.whole_row(segment_ids), *tokens.shape), acts())
 
     def kda_step(x, layer):
         with jax.named_scope("kda_layer"):
@@ -531,12 +542,12 @@ def attend_cache(q, k, v, visible):
     JAX, not shared/kernels: a decoding step has one query a row, and the whole cache is read once."""
     B, T, H, D = q.shape
     Hkv = k.shape[2]
-    qg = q.reshape(B, T, Hkv, H // Hkv, D, out_sharding=P("data", None, "model", None, None))
+    qg = q.reshape(B, T, Hkv, H // Hkv, D, out_sharding=acts("model", None, None))
     logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * D**-0.5
     logits = jnp.where(visible[:, None, None, None, :], logits, -1e30)
     probs = jax.nn.softmax(logits, axis=-1)
     o = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v)
-    return o.reshape(B, T, H, D, out_sharding=P("data", None, "model", None))
+    return o.reshape(B, T, H, D, out_sharding=acts("model", None))
 
 
 def decode_step(params, token, cache, cfg: ModelConfig):
@@ -546,7 +557,7 @@ def decode_step(params, token, cache, cfg: ModelConfig):
 
     The layers run one after the other in their order (a Python loop over the two stacks)."""
     dt = jnp.dtype(cfg.compute_dtype)
-    x = reshard(params["embed"], P(None, None)).at[token[:, None]].get(out_sharding=P("data", None, None)).astype(dt)
+    x = reshard(params["embed"], P(None, None)).at[token[:, None]].get(out_sharding=acts(None)).astype(dt)
     angles = rope_angles(cache["pos"][:, None], cfg.head_dim, cfg.rope_theta)
     slots, slot = jnp.arange(cache["attn"]["k"].shape[2]), cache["slot"]
     visible = (slots[None, :] >= (slot - cache["pos"])[:, None]) & (slots[None, :] <= slot)  # the row's tokens, and this one

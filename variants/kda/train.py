@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from shared import cli, data, generate, guard, optim, run  # noqa: E402
 from shared.config import TRAIN_FIELDS, check, check_fields  # noqa: E402
 from shared.errors import StencilError  # noqa: E402
+from shared.kernels import context  # noqa: E402
 from shared.variant import sibling  # noqa: E402
 
 model = sibling(__file__, "model")
@@ -58,6 +59,7 @@ class TrainConfig(run.RunConfig):  # + where the run lives, its cadences and log
     grad_clip: float = 1.0  # global-norm clipping; 0 = off
     mesh_data: int = -1  # size of the `data` (FSDP) mesh axis; -1 = all devices / mesh_model
     mesh_model: int = 1  # size of the `model` (tensor-parallel) mesh axis
+    mesh_context: int = 1  # size of the `context` mesh axis: each row's sequence split over it (shared/kernels/context.py)
     eval_every: int = 50  # evaluate every this many steps, and at the end; 0 = only at the end
     eval_batches: int = 4  # micro-batches of held-out rows per evaluation
     init_from: str = ""  # "hf:DIR": start from a Hugging Face model's weights, architecture and tokenizer (hf.py here)
@@ -79,6 +81,11 @@ class TrainConfig(run.RunConfig):  # + where the run lives, its cadences and log
               "is empty: sampling continues a prompt (or set sample_tokens 0)")
         check(self.profile_steps == "" or run.profile_range(self) is not None, "profile_steps",
               f"must be A:B with 0 < A <= B <= steps={self.steps}, got {self.profile_steps!r}")
+        why = context.refusal(self.seq_len, self.mesh_context, chunk=self.model.chunk_size,
+                              backend=self.model.attention_backend)  # each device's slice is whole KDA chunks
+        check(why is None, "mesh_context", why)
+        check(self.mesh_context == 1 or self.model.kda_impl == "xla", "model.kda_impl",
+              f"{self.model.kda_impl!r} cannot run under context parallelism (mesh_context={self.mesh_context}): use 'xla'")
         check(not self.init_from or os.path.isfile(os.path.join(HERE, "hf.py")), "init_from",
               f"{os.path.basename(HERE)} has no hf.py: no Hugging Face class maps to it (see the README's table)")
 
@@ -93,12 +100,13 @@ CONTRACT_TINY: dict = {"model": {"chunk_size": 8}}  # four KDA chunks per 32-tok
 # ---------------------------------------------------------------- mesh, optimizer, steps
 
 def make_mesh(cfg: TrainConfig, devices=None):
-    """The (data, model) mesh. `devices`: the devices to use (default: all of them), or a number of
-    devices, for an AbstractMesh that traces a preset at its real scale on a machine without them."""
+    """The (data, context, model) mesh. `devices`: the devices to use (default: all of them), or a number
+    of devices, for an AbstractMesh that traces a preset at its real scale on a machine without them."""
     devices = jax.devices() if devices is None else devices
-    n, tp = (devices if isinstance(devices, int) else len(devices)), cfg.mesh_model
-    dp = n // tp if cfg.mesh_data == -1 else cfg.mesh_data
-    check(dp * tp == n, "mesh_data", f"mesh {dp} (data) x {tp} (model) does not use exactly the {n} devices")
+    n, cp, tp = (devices if isinstance(devices, int) else len(devices)), cfg.mesh_context, cfg.mesh_model
+    dp = n // (cp * tp) if cfg.mesh_data == -1 else cfg.mesh_data
+    check(dp * cp * tp == n, "mesh_data",
+          f"mesh {dp} (data) x {cp} (context) x {tp} (model) does not use exactly the {n} devices")
     micro = cfg.batch_size // cfg.grad_accum
     check(micro % dp == 0, "batch_size",
           f"micro-batch batch_size/grad_accum={micro} is not divisible by the data axis ({dp} devices)")
@@ -106,9 +114,10 @@ def make_mesh(cfg: TrainConfig, devices=None):
     for name, size in (("n_kv_heads", m.n_kv_heads), ("d_ff", m.d_ff), ("vocab_size", m.vocab_size)):
         check(size % tp == 0, f"model.{name}", f"{size} is not divisible by mesh_model={tp}")
     check(m.d_model % dp == 0, "model.d_model", f"{m.d_model} is not divisible by the data axis ({dp})")
+    shape, axes = (dp, cp, tp), ("data", "context", "model")
     if isinstance(devices, int):
-        return AbstractMesh((dp, tp), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
-    return jax.make_mesh((dp, tp), ("data", "model"), axis_types=(AxisType.Explicit,) * 2, devices=devices)
+        return AbstractMesh(shape, axes, axis_types=(AxisType.Explicit,) * 3)
+    return jax.make_mesh(shape, axes, axis_types=(AxisType.Explicit,) * 3, devices=devices)
 
 
 def warmup(cfg: TrainConfig) -> int:
@@ -176,9 +185,10 @@ def make_eval_step(cfg: TrainConfig):
 
 
 def batch_spec(leading: int = 0) -> P:
-    """PartitionSpec of a batch array [*leading axes, rows, T]: rows over `data`. The loop and the
-    contract test (tests/test_contract.py) both place batches with it."""
-    return P(*([None] * leading), "data", None)
+    """PartitionSpec of a batch array [*leading axes, rows, T]: rows over `data`, each row's tokens over
+    `context` when the current mesh splits rows (shared/kernels/context.py). The loop and the contract test
+    (tests/test_contract.py) both place batches with it, under the run's mesh."""
+    return P(*([None] * leading), "data", context.axis())
 
 
 def to_device(batch: dict, mesh, leading: tuple = ()):

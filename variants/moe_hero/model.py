@@ -53,6 +53,7 @@ from jax.sharding import reshard
 from shared import flops, kernels
 from shared import weights as weights_lib
 from shared.config import ConfigError, check, check_types  # noqa: F401  (model.ConfigError, model.check)
+from shared.kernels import context
 from shared.weights import Weight, normal, ones, zeros
 
 COPIED_FROM = "variants/swa_hybrid"
@@ -370,6 +371,12 @@ def rope(x, angles):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def acts(*rest):
+    """PartitionSpec of activations [B, T, ...]: rows over BATCH, the sequence over `context` (where the
+    mesh has that axis; shared/kernels/context.py), then `rest`."""
+    return P(BATCH, context.axis(), *rest)
+
+
 def gather(w, spec, dtype):
     """FSDP: all-gather a weight (keep its `model` / `expert` sharding) and cast for compute."""
     return reshard(w, spec).astype(dtype)
@@ -381,13 +388,13 @@ def attend(q, k, v, angles, segment_ids, is_global, cfg: ModelConfig):
 
     def local(q, k, v):
         q, k = rope(q, angles["local"]), rope(k, angles["local"])
-        return kernels.attention(q, k, v, segment_ids=segment_ids, causal=True, window=cfg.window,
+        return context.attention(q, k, v, segment_ids=segment_ids, causal=True, window=cfg.window,
                                  softcap=cfg.attn_softcap, backend=local_backend(cfg)), k
 
     def global_(q, k, v):
         if cfg.global_rope == "rope":
             q, k = rope(q, angles["global"]), rope(k, angles["global"])
-        return kernels.attention(q, k, v, segment_ids=segment_ids, causal=True, window=None,
+        return context.attention(q, k, v, segment_ids=segment_ids, causal=True, window=None,
                                  softcap=cfg.attn_softcap, backend=cfg.attention_backend), k
 
     return jax.lax.cond(is_global, global_, local, q, k, v)
@@ -402,7 +409,7 @@ def attention(x, layer, angles, segment_ids, is_global, cfg: ModelConfig, cache=
     cache's updated {"k", "v"} come back then. A local layer's cache is its ring of the last `window` slots."""
     dt = x.dtype
     B, T, _ = x.shape
-    col, row, heads = P(None, "model"), P("model", None), P(BATCH, None, "model", None)
+    col, row, heads = P(None, "model"), P("model", None), acts("model", None)
     h = rms_norm(x, layer["attn_norm"], cfg.norm_eps)
     q = jnp.einsum("btd,dq->btq", h, gather(layer["wq"], col, dt)).reshape(B, T, cfg.n_heads, cfg.head_dim, out_sharding=heads)
     k = jnp.einsum("btd,dk->btk", h, gather(layer["wk"], col, dt)).reshape(B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads)
@@ -420,8 +427,8 @@ def attention(x, layer, angles, segment_ids, is_global, cfg: ModelConfig, cache=
         o = attend_cache(q, kv["k"], kv["v"], cache["visible"], cfg.attn_softcap)
     if cfg.head_gate:
         o = o * (2 * jax.nn.sigmoid(layer["head_gate"].astype(jnp.float32))).astype(dt)[:, None]
-    o = o.reshape(B, T, cfg.n_heads * cfg.head_dim, out_sharding=P(BATCH, None, "model"))
-    return x + jnp.einsum("btq,qd->btd", o, gather(layer["wo"], row, dt), out_sharding=P(BATCH, None, None)), kv
+    o = o.reshape(B, T, cfg.n_heads * cfg.head_dim, out_sharding=acts("model"))
+    return x + jnp.einsum("btq,qd->btd", o, gather(layer["wo"], row, dt), out_sharding=acts(None)), kv
 
 
 @jax.named_scope("mlp")
@@ -431,7 +438,7 @@ def swiglu(h, w_gate, w_up, w_down):
     col, row = P(None, "model"), P("model", None)
     gate = jnp.einsum("btd,df->btf", h, gather(w_gate, col, dt))
     up = jnp.einsum("btd,df->btf", h, gather(w_up, col, dt))
-    return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, gather(w_down, row, dt), out_sharding=P(BATCH, None, None))
+    return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, gather(w_down, row, dt), out_sharding=acts(None))
 
 
 # ---------------------------------------------------------------- routing and dispatch (per device)
@@ -599,15 +606,19 @@ def _moe_local(x, weight, w_router, bias, wg, wu, wd, *, cfg: ModelConfig, ep: i
     # sequence-level balance loss (DeepSeek-V3): sum_i f_i P_i per row over the row's loss tokens
     # (T_r of them), f from the choice, P from the scores; summed as T_r * that, so that loss_fn's
     # division by the loss-token count gives the token-weighted mean over rows (exact under accumulation)
+    # (a row split over `context`: its per-row sums are added over `context` first, so every device of the row
+    # holds the row's balance term; it is then summed over the row axes only, token sums over all three)
+    ctx = (context.AXIS,) if context.axis() else ()
+    row_sum = (lambda x: jax.lax.psum(x, ctx)) if ctx else (lambda x: x)  # noqa: E731
     wt = weight.astype(jnp.float32)
-    t_r = jnp.sum(wt, axis=1)  # [B] loss tokens per row
+    t_r = row_sum(jnp.sum(wt, axis=1))  # [B] loss tokens per row
     rows = jnp.repeat(jnp.arange(B), T * k)
-    c = jnp.zeros((B, E), jnp.float32).at[rows, flat].add(jnp.repeat(wt.reshape(N), k))  # masked choices
-    s_sum = jnp.einsum("bt,bte->be", wt, (scores / jnp.sum(scores, axis=-1, keepdims=True)).reshape(B, T, E))
+    c = row_sum(jnp.zeros((B, E), jnp.float32).at[rows, flat].add(jnp.repeat(wt.reshape(N), k)))  # masked choices
+    s_sum = row_sum(jnp.einsum("bt,bte->be", wt, (scores / jnp.sum(scores, axis=-1, keepdims=True)).reshape(B, T, E)))
     balance = jnp.sum(E / k * jnp.sum(c * s_sum, axis=-1) / jnp.maximum(t_r, 1.0))  # sum_r T_r * sum_i f_i P_i
     router_z = jnp.sum(wt.reshape(N) * jax.nn.logsumexp(logits, axis=-1) ** 2)
-    stats = {"load": counts, "dropped": dropped, "router_z": router_z, "balance": balance}
-    return out.reshape(B, T, D), jax.lax.psum(stats, ("data", "expert"))
+    stats = jax.lax.psum({"load": counts, "dropped": dropped, "router_z": router_z}, ("data", "expert") + ctx)
+    return out.reshape(B, T, D), stats | {"balance": jax.lax.psum(balance, ("data", "expert"))}
 
 
 def moe_ffn(h, layer, cfg: ModelConfig, weight=None):
@@ -617,20 +628,20 @@ def moe_ffn(h, layer, cfg: ModelConfig, weight=None):
     Returns (output, stats) with stats {"load" [E], "dropped", "router_z", "balance"} as global sums.
     """
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or set(mesh.axis_names) != {"data", "expert", "model"}:
+    if mesh.empty or set(mesh.axis_names) - {"context"} != {"data", "expert", "model"}:
         raise ConfigError("moe_hero runs under a mesh with axes data, expert, model (train.make_mesh); "
                           f"got {mesh.axis_names if not mesh.empty else 'no mesh'}")
     dt, ep = h.dtype, mesh.shape["expert"]
     a2a = cfg.a2a if cfg.a2a != "auto" else ("ragged" if jax.default_backend() in ("gpu", "tpu") else "dense")
     matmul = expert_matmul(cfg, jax.default_backend())
     ex, exd = P("expert", None, "model"), P("expert", "model", None)
-    weight = reshard(jnp.ones(h.shape[:2], jnp.float32) if weight is None else weight, P(BATCH, None))
+    weight = reshard(jnp.ones(h.shape[:2], jnp.float32) if weight is None else weight, acts())
     args = (h, weight, reshard(layer["router"], P(None, None)), reshard(layer["router_bias"], P(None)),
             gather(layer["ex_gate"], ex, dt), gather(layer["ex_up"], ex, dt), gather(layer["ex_down"], exd, dt))
     routed, stats = jax.shard_map(
         functools.partial(_moe_local, cfg=cfg, ep=ep, a2a=a2a, matmul=matmul),
-        in_specs=(P(BATCH, None, None), P(BATCH, None), P(None, None), P(None), ex, ex, exd),
-        out_specs=(P(BATCH, None, None), P()),
+        in_specs=(acts(None), acts(), P(None, None), P(None), ex, ex, exd),
+        out_specs=(acts(None), P()),
     )(*args)
     if cfg.n_shared:
         routed = routed + swiglu(h, layer["sh_gate"], layer["sh_up"], layer["sh_down"])
@@ -653,11 +664,12 @@ def hidden_states(params, tokens, cfg: ModelConfig, *, segment_ids=None, loss_ma
     `cache` (prefill: an empty one from init_cache), a third output: that cache holding every layer's
     keys and values (`store_prompt`)."""
     dt = jnp.dtype(cfg.compute_dtype)
-    tokens = reshard(tokens, P(BATCH, None))
+    tokens = reshard(tokens, acts())
     if segment_ids is not None:
-        segment_ids = reshard(segment_ids, P(BATCH, None))
-    x = reshard(params["embed"], P(None, None)).at[tokens].get(out_sharding=P(BATCH, None, None)).astype(dt)
-    angles = layer_angles(positions(tokens, segment_ids), cfg)
+        segment_ids = reshard(segment_ids, acts())
+    x = reshard(params["embed"], P(None, None)).at[tokens].get(out_sharding=acts(None)).astype(dt)
+    pos = positions(context.whole_row(tokens), None if segment_ids is None else context.whole_row(segment_ids))
+    angles = layer_angles(reshard(pos, acts()), cfg)
 
     @jax.named_scope("dense_layer")
     def dense_step(x, layer_and_kind):
@@ -710,7 +722,7 @@ def loss_fn(params, batch, cfg: ModelConfig):
     loss tokens and the layers of logsumexp(router logits)^2) and balance (the per-row balance
     loss over each row's loss tokens, averaged over rows weighted by their loss tokens, and layers).
     """
-    targets, mask = (reshard(batch[k], P(BATCH, None)) for k in ("targets", "loss_mask"))  # rows as h's
+    targets, mask = (reshard(batch[k], acts()) for k in ("targets", "loss_mask"))  # rows as h's
     h, st = hidden_states(params, batch["tokens"], cfg, segment_ids=batch["segment_ids"], loss_mask=mask)
     with jax.named_scope("loss"):
         nll, zsq = kernels.cross_entropy(h, unembedding(params, cfg), targets, mask)
@@ -811,14 +823,14 @@ def attend_cache(q, k, v, visible, softcap: float):
     and the whole cache (a local layer's ring: its window) is read once."""
     B, T, H, D = q.shape
     Hkv = k.shape[2]
-    qg = q.reshape(B, T, Hkv, H // Hkv, D, out_sharding=P(BATCH, None, "model", None, None))
+    qg = q.reshape(B, T, Hkv, H // Hkv, D, out_sharding=acts("model", None, None))
     logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * D**-0.5
     if softcap:
         logits = softcap * jnp.tanh(logits / softcap)
     logits = jnp.where(visible[:, None, None, None, :], logits, -1e30)
     probs = jax.nn.softmax(logits, axis=-1)
     o = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v)
-    return o.reshape(B, T, H, D, out_sharding=P(BATCH, None, "model", None))
+    return o.reshape(B, T, H, D, out_sharding=acts("model", None))
 
 
 def decode_step(params, token, cache, cfg: ModelConfig):
@@ -830,7 +842,7 @@ def decode_step(params, token, cache, cfg: ModelConfig):
     dense and MoE layers in weights); each token is routed as `forward` routes it, dropless (`prefill`)."""
     cfg = dataclasses.replace(cfg, dispatch="dropless")
     dt = jnp.dtype(cfg.compute_dtype)
-    x = reshard(params["embed"], P(None, None)).at[token[:, None]].get(out_sharding=P(BATCH, None, None)).astype(dt)
+    x = reshard(params["embed"], P(None, None)).at[token[:, None]].get(out_sharding=acts(None)).astype(dt)
     angles = layer_angles(cache["pos"][:, None], cfg)
     slot, first = cache["slot"], cache["slot"] - cache["pos"]  # first: each row's first slot (its prompt's start)
     s, R = jnp.arange(cache["global"]["k"].shape[2]), cache["local"]["k"].shape[2]

@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from shared import cli, data, generate, guard, optim, run  # noqa: E402
 from shared.config import TRAIN_FIELDS, at_least, check, check_fields, positive  # noqa: E402
 from shared.errors import StencilError  # noqa: E402
+from shared.kernels import context  # noqa: E402
 from shared.variant import sibling  # noqa: E402
 
 model = sibling(__file__, "model")
@@ -62,6 +63,7 @@ class TrainConfig(run.RunConfig):  # + where the run lives, its cadences and log
     mesh_data: int = -1  # size of the `data` (FSDP) mesh axis; -1 = all devices / (mesh_expert * mesh_model)
     mesh_expert: int = 1  # size of the `expert` mesh axis (expert parallelism; also shards batch rows and FSDP)
     mesh_model: int = 1  # size of the `model` (tensor-parallel) mesh axis
+    mesh_context: int = 1  # size of the `context` mesh axis: each row's sequence split over it (shared/kernels/context.py)
     bias_rate: float = 1e-2  # aux-loss-free balancing: bias += bias_rate * sign(mean load - load) each step
     # (1e-2 suits the short CPU default; the presets use DeepSeek-V3's 1e-3 for long runs)
     eval_every: int = 50  # evaluate every this many steps, and at the end; 0 = only at the end
@@ -85,6 +87,9 @@ class TrainConfig(run.RunConfig):  # + where the run lives, its cadences and log
               "is empty: sampling continues a prompt (or set sample_tokens 0)")
         check(self.profile_steps == "" or run.profile_range(self) is not None, "profile_steps",
               f"must be A:B with 0 < A <= B <= steps={self.steps}, got {self.profile_steps!r}")
+        for backend in (self.model.attention_backend, self.model.local_attention_backend or "auto"):  # the window's halo
+            why = context.refusal(self.seq_len, self.mesh_context, window=self.model.window, backend=backend)
+            check(why is None, "mesh_context", why)
         check(not self.init_from or os.path.isfile(os.path.join(HERE, "hf.py")), "init_from",
               f"{os.path.basename(HERE)} has no hf.py: no Hugging Face class maps to it (see the README's table)")
 
@@ -101,14 +106,15 @@ CONTRACT_TINY: dict = {"mesh_expert": 2, "model": {"window": 16, "router_z_loss"
 # ---------------------------------------------------------------- mesh, optimizer, steps
 
 def make_mesh(cfg: TrainConfig, devices=None):
-    """The (data, expert, model) mesh. `devices`: the devices to use (default: all of them), or a
-    number of devices, for an AbstractMesh that traces a preset at its real scale on a machine
+    """The (data, expert, context, model) mesh. `devices`: the devices to use (default: all of them), or
+    a number of devices, for an AbstractMesh that traces a preset at its real scale on a machine
     without them (nothing can run on it)."""
     devices = jax.devices() if devices is None else devices
-    n, ep, tp = (devices if isinstance(devices, int) else len(devices)), cfg.mesh_expert, cfg.mesh_model
-    dp = n // (ep * tp) if cfg.mesh_data == -1 else cfg.mesh_data
-    check(dp * ep * tp == n, "mesh_data",
-          f"mesh {dp} (data) x {ep} (expert) x {tp} (model) does not use exactly the {n} devices")
+    n, ep, cp, tp = ((devices if isinstance(devices, int) else len(devices)), cfg.mesh_expert, cfg.mesh_context,
+                     cfg.mesh_model)
+    dp = n // (ep * cp * tp) if cfg.mesh_data == -1 else cfg.mesh_data
+    check(dp * ep * cp * tp == n, "mesh_data",
+          f"mesh {dp} (data) x {ep} (expert) x {cp} (context) x {tp} (model) does not use exactly the {n} devices")
     micro = cfg.batch_size // cfg.grad_accum
     check(micro % (dp * ep) == 0, "batch_size",
           f"micro-batch batch_size/grad_accum={micro} is not divisible by data x expert = {dp * ep} devices")
@@ -119,10 +125,10 @@ def make_mesh(cfg: TrainConfig, devices=None):
         check(size % tp == 0, f"model.{name}", f"{size} is not divisible by mesh_model={tp}")
     check(m.d_model % (dp * ep) == 0, "model.d_model",
           f"{m.d_model} is not divisible by data x expert = {dp * ep} (FSDP shards d_model over both)")
-    names, types = ("data", "expert", "model"), (AxisType.Explicit,) * 3
+    names, types = ("data", "expert", "context", "model"), (AxisType.Explicit,) * 4
     if isinstance(devices, int):
-        return AbstractMesh((dp, ep, tp), names, axis_types=types)
-    return jax.make_mesh((dp, ep, tp), names, axis_types=types, devices=devices)
+        return AbstractMesh((dp, ep, cp, tp), names, axis_types=types)
+    return jax.make_mesh((dp, ep, cp, tp), names, axis_types=types, devices=devices)
 
 
 def warmup(cfg: TrainConfig) -> int:
@@ -212,9 +218,10 @@ def make_eval_step(cfg: TrainConfig):
 
 
 def batch_spec(leading: int = 0) -> P:
-    """PartitionSpec of a batch array [*leading axes, rows, T]: rows over `data` and `expert` (model.BATCH).
-    The loop and the contract test (tests/test_contract.py) both place batches with it."""
-    return P(*([None] * leading), model.BATCH, None)
+    """PartitionSpec of a batch array [*leading axes, rows, T]: rows over `data` and `expert` (model.BATCH),
+    each row's tokens over `context` when the current mesh splits rows (shared/kernels/context.py). The loop
+    and the contract test (tests/test_contract.py) both place batches with it, under the run's mesh."""
+    return P(*([None] * leading), model.BATCH, context.axis())
 
 
 def to_device(batch: dict, mesh, leading: tuple = ()):

@@ -8,7 +8,8 @@ inside the scan, so the layers still compile once.
 
 Parameters are a plain dict of arrays; `param_specs` gives a PartitionSpec for every leaf
 on a mesh with explicit axes `data` (FSDP: weights sharded, gathered at use; batch
-sharded) and `model` (tensor parallelism: heads and FFN width sharded). Layers are
+sharded), `context` (each row's sequence split: shared/kernels/context.py) and `model`
+(tensor parallelism: heads and FFN width sharded). Layers are
 stacked on a leading axis and run with `jax.lax.scan`.
 
 Copied from variants/dense (RMSNorm, RoPE, grouped-query attention, SwiGLU, optional tied
@@ -44,6 +45,7 @@ from jax.sharding import reshard
 from shared import flops, kernels
 from shared import weights as weights_lib
 from shared.config import ConfigError, check, check_types  # noqa: F401  (model.ConfigError, model.check)
+from shared.kernels import context
 from shared.weights import Weight, normal, ones, zeros
 
 COPIED_FROM = "variants/dense"
@@ -234,6 +236,12 @@ def rope(x, angles):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def acts(*rest):
+    """PartitionSpec of activations [B, T, ...]: rows over `data`, the sequence over `context` (where the
+    mesh has that axis; shared/kernels/context.py), then `rest`."""
+    return P("data", context.axis(), *rest)
+
+
 def gather(w, spec, dtype):
     """FSDP: all-gather a weight over `data` (keep its `model` sharding) and cast for compute."""
     return reshard(w, spec).astype(dtype)
@@ -248,13 +256,13 @@ def attend(q, k, v, angles, segment_ids, is_global, cfg: ModelConfig):
 
     def local(q, k, v):
         q, k = rope(q, angles["local"]), rope(k, angles["local"])
-        return kernels.attention(q, k, v, segment_ids=segment_ids, causal=True, window=cfg.window,
+        return context.attention(q, k, v, segment_ids=segment_ids, causal=True, window=cfg.window,
                                  softcap=cfg.attn_softcap, backend=local_backend(cfg)), k
 
     def global_(q, k, v):
         if cfg.global_rope == "rope":
             q, k = rope(q, angles["global"]), rope(k, angles["global"])
-        return kernels.attention(q, k, v, segment_ids=segment_ids, causal=True, window=None,
+        return context.attention(q, k, v, segment_ids=segment_ids, causal=True, window=None,
                                  softcap=cfg.attn_softcap, backend=cfg.attention_backend), k
 
     return jax.lax.cond(is_global, global_, local, q, k, v)
@@ -268,7 +276,7 @@ def block(x, layer, angles, segment_ids, is_global, cfg: ModelConfig, cache=None
     come back then. A local layer's cache is its ring of the last `window` slots."""
     dt = x.dtype
     B, T, _ = x.shape
-    col, row, heads = P(None, "model"), P("model", None), P("data", None, "model", None)
+    col, row, heads = P(None, "model"), P("model", None), acts("model", None)
 
     with jax.named_scope("attention"):
         h = rms_norm(x, layer["attn_norm"], cfg.norm_eps)
@@ -288,15 +296,15 @@ def block(x, layer, angles, segment_ids, is_global, cfg: ModelConfig, cache=None
             o = attend_cache(q, kv["k"], kv["v"], cache["visible"], cfg.attn_softcap)
         if cfg.head_gate:
             o = o * (2 * jax.nn.sigmoid(layer["head_gate"].astype(jnp.float32))).astype(dt)[:, None]
-        o = o.reshape(B, T, cfg.n_heads * cfg.head_dim, out_sharding=P("data", None, "model"))
-        x = x + jnp.einsum("btq,qd->btd", o, gather(layer["wo"], row, dt), out_sharding=P("data", None, None))
+        o = o.reshape(B, T, cfg.n_heads * cfg.head_dim, out_sharding=acts("model"))
+        x = x + jnp.einsum("btq,qd->btd", o, gather(layer["wo"], row, dt), out_sharding=acts(None))
 
     with jax.named_scope("mlp"):
         h = rms_norm(x, layer["mlp_norm"], cfg.norm_eps)
         gate = jnp.einsum("btd,df->btf", h, gather(layer["w_gate"], col, dt))
         up = jnp.einsum("btd,df->btf", h, gather(layer["w_up"], col, dt))
         x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, gather(layer["w_down"], row, dt),
-                           out_sharding=P("data", None, None))
+                           out_sharding=acts(None))
     return x, kv
 
 
@@ -311,8 +319,9 @@ def hidden_states(params, tokens, cfg: ModelConfig, *, segment_ids=None, cache=N
     """Final-norm hidden states [B, T, D] in the compute dtype. With `cache` (prefill: an empty one from
     init_cache), also that cache holding every layer's keys and values (`store_prompt`)."""
     dt = jnp.dtype(cfg.compute_dtype)
-    x = reshard(params["embed"], P(None, None)).at[tokens].get(out_sharding=P("data", None, None)).astype(dt)
-    angles = layer_angles(positions(tokens, segment_ids), cfg)
+    x = reshard(params["embed"], P(None, None)).at[tokens].get(out_sharding=acts(None)).astype(dt)
+    pos = positions(context.whole_row(tokens), None if segment_ids is None else context.whole_row(segment_ids))
+    angles = layer_angles(reshard(pos, acts()), cfg)
 
     def step(x, layer_and_kind):
         layer, is_global = layer_and_kind
@@ -421,14 +430,14 @@ def attend_cache(q, k, v, visible, softcap: float):
     and the whole cache (a local layer's ring: its window) is read once."""
     B, T, H, D = q.shape
     Hkv = k.shape[2]
-    qg = q.reshape(B, T, Hkv, H // Hkv, D, out_sharding=P("data", None, "model", None, None))
+    qg = q.reshape(B, T, Hkv, H // Hkv, D, out_sharding=acts("model", None, None))
     logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * D**-0.5
     if softcap:
         logits = softcap * jnp.tanh(logits / softcap)
     logits = jnp.where(visible[:, None, None, None, :], logits, -1e30)
     probs = jax.nn.softmax(logits, axis=-1)
     o = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v)
-    return o.reshape(B, T, H, D, out_sharding=P("data", None, "model", None))
+    return o.reshape(B, T, H, D, out_sharding=acts("model", None))
 
 
 def decode_step(params, token, cache, cfg: ModelConfig):
@@ -439,7 +448,7 @@ def decode_step(params, token, cache, cfg: ModelConfig):
     The layers run one after the other (a Python loop: a local and a global layer have caches of
     different lengths, so they do not stack into one scan)."""
     dt = jnp.dtype(cfg.compute_dtype)
-    x = reshard(params["embed"], P(None, None)).at[token[:, None]].get(out_sharding=P("data", None, None)).astype(dt)
+    x = reshard(params["embed"], P(None, None)).at[token[:, None]].get(out_sharding=acts(None)).astype(dt)
     angles = layer_angles(cache["pos"][:, None], cfg)
     slot, first = cache["slot"], cache["slot"] - cache["pos"]  # first: each row's first slot (its prompt's start)
     s, R = jnp.arange(cache["global"]["k"].shape[2]), cache["local"]["k"].shape[2]
