@@ -148,4 +148,5 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(module))
 
 
-SERIAL_MODULES = ("test_slurm", "test_objstore", "test_launch", "test_preemption", "test_faults")
+SERIAL_MODULES = ("test_slurm", "test_objstore", "test_launch", "test_preemption", "test_faults",
+                  "test_docs")  # test_docs: its module fixture starts every command's --help at once; once

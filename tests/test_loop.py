@@ -7,6 +7,9 @@ model.py and a train.py, at the contract's tiny size on the 4 x 2 CPU mesh, in t
   and the resume continues bit-exactly (the same losses and final weights as the run never stopped);
 - a non-finite loss stops the run without saving, naming the last good checkpoint;
 - a resume that would change the data (seq_len, the corpus) or the optimizer is refused before anything runs.
+The straight run (cadences) is the fast tier's smoke test of every folder's loop; the stop, the resume,
+the non-finite loss and the refusals (four more runs of each loop) are in the integration tier, and
+test_train.py checks them on dense in the fast tier.
 
 The harness's own behaviour in depth (locks, kill -9, the watchdog, object stores, every refusal) is
 tested once, on dense, in test_train.py, test_preemption.py and test_objstore.py."""
@@ -63,11 +66,11 @@ def rows(run_dir):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_the_loop_uses_the_run(variant, small_corpus, tmp_path, monkeypatch):
+def test_the_loop_uses_the_run(variant, small_corpus, tmp_path):
     train = load(os.path.join(ROOT, variant, "train.py"))
 
     # a straight run: cadences
-    straight = train.main(tiny(train, small_corpus, tmp_path / "a"))
+    train.main(tiny(train, small_corpus, tmp_path / "a"))
     logged = rows(tmp_path / "a")
     assert [r["step"] for r in logged] == [1, 2, 3, 4]
     assert ["eval/loss" in r for r in logged] == [False, True, False, True]
@@ -75,6 +78,13 @@ def test_the_loop_uses_the_run(variant, small_corpus, tmp_path, monkeypatch):
     assert "throughput/tokens_per_second" in logged[-1]
     assert [os.path.basename(c) for c in checkpoint.all_checkpoints(str(tmp_path / "a" / "checkpoints"))] == \
         ["step_00000002", "step_00000004"]
+
+
+@pytest.mark.integration  # a long run: four more runs of each folder's loop (its straight run is in the fast tier above)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_loop_stops_resumes_and_refuses(variant, small_corpus, tmp_path, monkeypatch):
+    train = load(os.path.join(ROOT, variant, "train.py"))
+    straight = train.main(tiny(train, small_corpus, tmp_path / "a"))
 
     # a stop signal during step 2: saved at 2, Preempted; the resume equals the straight run bit for bit
     wrap_step(monkeypatch, train, lambda n, s, m: os.kill(os.getpid(), signal.SIGTERM) if n == 2 else None)
