@@ -6,9 +6,12 @@ CPU devices (mesh data 1 x context c x model 1, one row of --seq_len tokens a st
   temp      XLA's compiled memory analysis: temporaries per device (the activations the step keeps
             and its scratch), the number that context parallelism divides;
   residuals shared/memory.py's estimate of what the backward pass keeps (per device);
-  gathered  bytes per device that the step's all-gather and collective-permute ops produce (counted
-            from the compiled HLO: the token mixers' traffic, forward and backward, plus the positions'
-            whole-row ids), and all-reduce bytes (the gradients of weights replicated over `context`);
+  gathered  the result bytes per device of the all-gather and collective-permute ops in the compiled
+            program's text, where the body of a loop is counted once (so a scanned stack of layers
+            counts one layer, both branches of a `lax.cond` count, and a remat recompute counts
+            again): the token mixers' traffic plus the positions' whole-row ids; and all-reduce +
+            reduce-scatter bytes the same way (the gradients of weights replicated over `context`,
+            the all-gathers' backward, the loss's sums);
 and, computed from the config, the bytes one layer of each kind receives per device in the forward
 pass: full attention all-gathers (c-1)/c of the row's K and V, a window's halo is W-1 tokens of K and V
 (independent of the row), KDA all-gathers c states [K, K+V] per head (and 3 conv tails of conv_size-1).
@@ -50,6 +53,7 @@ SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
 def collective_bytes(hlo: str) -> dict:
     """Bytes of each collective kind's results in an HLO module's text (per device)."""
     out: dict = {}
+    hlo = re.sub(r"/\*index=\d+\*/", "", hlo)  # tuple shapes carry these comments
     for m in COLLECTIVE.finditer(hlo):
         kind = m.group(2)
         n = 0
@@ -98,7 +102,8 @@ def measure(folder: str, T: int, c: int) -> dict:
     coll = collective_bytes(compiled.as_text())
     return {"folder": folder, "context": c, "temp": mem.temp_size_in_bytes, "residuals": est["activations"],
             "gathered": coll.get("all-gather", 0) + coll.get("collective-permute", 0),
-            "all-reduce": coll.get("all-reduce", 0), "per_layer": per_layer(cfg, c, T)}
+            "reduced": coll.get("all-reduce", 0) + coll.get("reduce-scatter", 0), "collectives": coll,
+            "per_layer": per_layer(cfg, c, T)}
 
 
 def main(argv=None):
@@ -123,12 +128,13 @@ def main(argv=None):
             layer = ", ".join(f"{k} {v / MiB:.2f}" for k, v in r["per_layer"].items())
             print(f"{folder} context {c}: temp {r['temp'] / MiB:.1f} MiB ({r['temp'] / base['temp']:.2f}x of "
                   f"context {contexts[0]}), residuals {r['residuals'] / MiB:.1f} MiB, gathered {r['gathered'] / MiB:.1f} MiB, "
-                  f"all-reduce {r['all-reduce'] / MiB:.1f} MiB; a layer receives (MiB): {layer}", flush=True)
+                  f"all-reduce + reduce-scatter {r['reduced'] / MiB:.1f} MiB ({', '.join(f'{k} {v / MiB:.2f}' for k, v in sorted(r['collectives'].items()))}); "
+                  f"a layer receives (MiB): {layer}", flush=True)
     if args.table:
         cmd = "python tools/bench_context.py " + " ".join(argv if argv is not None else sys.argv[1:])
         print(f"\n`{cmd}` on {jax.device_count()} CPU devices, {datetime.date.today()}, seq_len {args.seq_len}, "
               "one row a step; MiB per device\n")
-        print("| folder | context | temporaries | vs context 1 | residuals | all-gather + permute | all-reduce | "
+        print("| folder | context | temporaries | vs context 1 | residuals | all-gather + permute | all-reduce + reduce-scatter | "
               "a layer receives (forward) |")
         print("|---|---|---|---|---|---|---|---|")
         first = {}
@@ -136,7 +142,7 @@ def main(argv=None):
             first.setdefault(r["folder"], r)
             layer = "; ".join(f"{k} {v / MiB:.2f}" for k, v in r["per_layer"].items())
             print(f"| {r['folder']} | {r['context']} | {r['temp'] / MiB:.1f} | {r['temp'] / first[r['folder']]['temp']:.2f}x "
-                  f"| {r['residuals'] / MiB:.1f} | {r['gathered'] / MiB:.1f} | {r['all-reduce'] / MiB:.1f} | {layer} |")
+                  f"| {r['residuals'] / MiB:.1f} | {r['gathered'] / MiB:.1f} | {r['reduced'] / MiB:.1f} | {layer} |")
 
 
 if __name__ == "__main__":
