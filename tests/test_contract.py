@@ -667,7 +667,7 @@ def test_a_folder_without_a_cache_is_told_what_to_add():
 # Context parallelism: each row split over CONTEXT devices on the `context` axis gives the logits, loss and
 # gradients of the whole row (fp32 tolerance), for packed rows whose documents cross the shard boundaries
 # (row 0: inside both halves, row 1: a document starting exactly at token 16, a boundary of 2 and 4 shards,
-# others at 8 and 24, boundaries of 4 shards). Context 2 in the fast tier; 4 with the integration tier.
+# others at 8 and 24, boundaries of 4 shards).
 CONTEXT_DOCS = [[0, 5, 14, 27], [0, 8, 16, 24], [0, 3], [0, 17], [0], [0, 30], [0, 11, 12, 13], [0, 31]]
 
 
@@ -720,10 +720,16 @@ def check_context_parallel(r: TinyRun, context: int):
             f"from the whole row's"))
 
 
-@pytest.mark.parametrize("context", [2, pytest.param(4, marks=pytest.mark.integration(
-    reason="context 4: a second compile of every folder's model and gradients (2 is in the fast tier)"))])
-@pytest.mark.parametrize("variant", VARIANTS)
+CONTEXT_SLOW = ("variants/kda", "variants/moe_hero")  # 50-60 s each on 2 cores: context 2 with the integration tier
+LONG_CONTEXT = pytest.mark.integration(reason="a long compile: the model's gradients at two more meshes")
+
+
+@pytest.mark.parametrize("variant,context", [pytest.param(v, c, marks=LONG_CONTEXT) if c == 4 or v in CONTEXT_SLOW
+                                             else (v, c) for v in VARIANTS for c in (2, 4)])
 def test_context_parallel_is_exact(variant, context):
+    """Context 2 for the template, dense and swa_hybrid in the fast tier (kda's and moe_hero's mixers with the
+    row split are checked there on their own, tests/test_context.py); every folder at 2 and 4 in the
+    integration tier."""
     check_context_parallel(tiny_run(variant), context)
 
 
@@ -884,6 +890,7 @@ def loss_fn(params, batch, cfg: ModelConfig):
     return str(folder)
 
 
+@pytest.mark.integration  # a long run: a tiny run of a deliberately broken copy of dense for each kind
 @pytest.mark.parametrize("kind", BROKEN)
 def test_contract_catches_a_broken_auxiliary_loss(kind, tmp_path):
     check = globals()[BROKEN[kind][0]]

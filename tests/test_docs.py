@@ -147,8 +147,14 @@ def runnable() -> list[list[str]]:
 
 @pytest.fixture(scope="module")
 def helps() -> dict[str, tuple[int, str]]:
+    return all_helps()
+
+
+@functools.lru_cache(maxsize=None)
+def all_helps() -> dict[str, tuple[int, str]]:
     """{command: (exit status, --help output)} of every runnable file, all started at once (each its own
-    process), so the whole check costs about the slowest import."""
+    process), so the whole check costs about the slowest import; once per process (a module fixture is
+    set up again when a worker runs other modules' tests in between)."""
     env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
     procs = {" ".join(c): subprocess.Popen([sys.executable, *c, "--help"], cwd=ROOT, env=env, text=True,
                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for c in runnable()}

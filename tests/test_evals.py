@@ -116,6 +116,7 @@ def test_score_is_the_models_log_softmax_and_argmax():
     assert (greedy == (logits.argmax(-1) == tokens[:, 1:])).all()
 
 
+@pytest.mark.integration  # a long run: the loop with probes on its eval cadence
 def test_probes_on_the_eval_cadence(tiny_dense, tmp_path):
     out = tiny_dense.train.main(tiny_dense.config(tmp_path / "run", steps=3, eval_every=3, save_every=0, **PROBE_FLAGS))
     rows = [json.loads(line) for line in open(os.path.join(out["run_dir"], "metrics.jsonl"))]
@@ -170,6 +171,7 @@ def dense_run(tiny_dense, tmp_path_factory):
     return str(run)
 
 
+@pytest.mark.integration  # a long run: trains the tiny dense run it copies (dense_run)
 def test_a_checkpoint_without_its_tokenizer_is_refused(lm_eval_model, dense_run, tmp_path, capsys):
     run = tmp_path / "copy"
     shutil.copytree(dense_run, run)

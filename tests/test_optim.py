@@ -142,9 +142,9 @@ def test_orthogonalize_moves_fan_axes():
 
 # ---------------------------------------------------------------- optimizers
 
-# muonh (expert axis) in the fast tier; the other cases, 20-150 s each on 2 cores, in the integration tier
-@pytest.mark.parametrize("name,expert", [(n, True) if n == "muonh" else pytest.param(n, True, marks=LONG)
-                                         for n in optim.OPTIMIZERS]
+# 20-150 s each on 2 cores: the integration tier (the fast tier's test_optim cases check each optimizer's
+# update rule and sharding specs on their own)
+@pytest.mark.parametrize("name,expert", [pytest.param(n, True, marks=LONG) for n in optim.OPTIMIZERS]
                          + [pytest.param("muon", False, marks=LONG), pytest.param("adamh", False, marks=LONG)])
 def test_sharded_equals_one_device(name, expert):
     """Three steps on data x expert x model = 2x2x2 (with experts: every optimizer) and on data x model =
@@ -163,7 +163,7 @@ def test_sharded_equals_one_device(name, expert):
         assert tuple(g) + (None,) * (len(s) - len(g)) == tuple(s) + (None,) * (len(g) - len(s)), (name, g, s)
 
 
-@pytest.mark.parametrize("name", ["muonh", pytest.param("adamh", marks=LONG)])  # adamh: 25-75 s, integration
+@pytest.mark.parametrize("name", [pytest.param("muonh", marks=LONG), pytest.param("adamh", marks=LONG)])  # 20-75 s each
 def test_hyperball_keeps_every_matrix_norm(name):
     d = decl(expert=True)
     init = jax.tree.map(np.asarray, init_params(d, jax.random.key(0), "float32"))
