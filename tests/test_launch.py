@@ -48,7 +48,7 @@ def test_two_processes_then_resume_on_one(tiny_dense, tmp_path, s3):
     t_mp = time.perf_counter() - t0
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert "[p1] stencil: distributed (explicit): process 1 of 2, 4 local / 8 global devices" in r.stdout
-    assert "mesh {'data': 8, 'model': 1}" in r.stdout
+    assert "mesh {'data': 8, 'context': 1, 'model': 1}" in r.stdout
     [saved] = checkpoint.all_checkpoints(url)
     assert saved.endswith("/step_00000002") and checkpoint.verify(saved, checksums=True) == []
     assert sorted(losses(mp_dir)) == [1, 2]

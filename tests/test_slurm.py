@@ -241,7 +241,7 @@ def test_two_tasks_train_under_slurm_with_the_losses_of_one_process(uninterrupte
     got, text = uninterrupted
     for i in (0, 1):  # JAX's SLURM detection: both tasks, 4 devices each
         assert f"stencil: distributed (slurm): process {i} of 2, 4 local / 8 global devices" in text, text[-4000:]
-    assert "mesh {'data': 8, 'model': 1}" in text and "no checkpoint yet, a fresh start" in text
+    assert "mesh {'data': 8, 'context': 1, 'model': 1}" in text and "no checkpoint yet, a fresh start" in text
     one = train.main(tiny_dense.config(tmp_path / "one", **JOB, stop_at=STOP_AT))["losses"]  # 1 process, 8 devices
     assert sorted(got) == sorted(one) == list(range(1, STOP_AT + 1))
     np.testing.assert_allclose([got[s] for s in sorted(got)], [one[s] for s in sorted(one)], rtol=1e-5)
