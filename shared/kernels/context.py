@@ -51,7 +51,7 @@ from shared.kernels.attention import attention as kernel_attention
 from shared.kernels.attention import reference as attention_reference
 from shared.kernels.conv import reference as conv_reference
 from shared.kernels.conv import short_conv as kernel_short_conv
-from shared.kernels.dispatch import spec
+from shared.kernels.dispatch import per_shard, spec
 
 AXIS = "context"
 OTHER = -(2**31)  # a segment id no real document has: the halo of the first device (nothing before it)
@@ -101,20 +101,6 @@ def refusal(seq_len: int, context: int, *, window: int | None = None, chunk: int
         return (f"attention_backend {backend!r} cannot run under context parallelism (mesh_context={context}): "
                 f"only the XLA reference runs per device there; use 'auto' or 'reference'")
     return None
-
-
-def _per_device(fn, args, specs, out_specs):
-    """`fn` on each device's blocks (jax.shard_map over the whole mesh); `None` args pass through."""
-    idx = [i for i, a in enumerate(args) if a is not None]
-
-    def inner(*xs):
-        full = list(args)
-        for i, x in zip(idx, xs):
-            full[i] = x
-        return fn(*full)
-
-    return jax.shard_map(inner, in_specs=tuple(specs[i] for i in idx), out_specs=out_specs,
-                         check_vma=False)(*[args[i] for i in idx])
 
 
 def _from_previous(x, n, fill):
@@ -188,7 +174,7 @@ def attention(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None
         raise AttentionError(why)
     b, t, h, d = spec(q)
     qs, kvs, ss = P(b, t, h, d), P(*spec(k)), P(b, t)
-    out_specs = (qs, P(b, t, h)) if return_lse else qs
+    out_specs = [qs, P(b, t, h)] if return_lse else qs
 
     def full(q, k, v, seg):
         T = q.shape[1]
@@ -209,7 +195,7 @@ def attention(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None
                                    window=window, **kw)
         return tuple(x[:, n:] for x in res) if return_lse else res[:, n:]
 
-    return _per_device(full if window is None else halo, (q, k, v, segment_ids), (qs, kvs, kvs, ss), out_specs)
+    return per_shard(full if window is None else halo, (q, k, v, segment_ids), (qs, kvs, kvs, ss), out_specs)
 
 
 # ---------------------------------------------------------------- short convolution
@@ -230,7 +216,7 @@ def short_conv(x, w, docs):
         de = jnp.concatenate([_from_previous(docs, n, OTHER), docs], axis=1)
         return conv_reference(xe, w, de)[:, n:]
 
-    return _per_device(local, (x, w, docs), (P(b, t, ch), P(None, ch), P(b, t)), P(b, t, ch))
+    return per_shard(local, (x, w, docs), (P(b, t, ch), P(None, ch), P(b, t)), P(b, t, ch))
 
 
 # ---------------------------------------------------------------- KDA
@@ -272,4 +258,4 @@ def kda(q, k, v, g, beta, *, segment_ids=None, chunk_size=64, impl="xla"):
         o, S = _kda.kda(q, k, v, g, beta, initial_state=S_in, segment_ids=seg, chunk_size=chunk_size)
         return o, jax.lax.all_gather(S, AXIS)[-1]
 
-    return _per_device(local, (q, k, v, g, beta, segment_ids), (x4, x4, vs, x4, x3, ss), (vs, P(b, h, None, None)))
+    return per_shard(local, (q, k, v, g, beta, segment_ids), (x4, x4, vs, x4, x3, ss), [vs, P(b, h, None, None)])
