@@ -272,3 +272,16 @@ def test_a_variant_without_hf_py_says_so_in_its_readme():
         if f"| `{name}` | none |" not in table:
             bad.append(f"docs/huggingface.md: no row for {name}")
     assert not bad, bad
+
+
+def test_the_modules_that_start_servers_run_on_one_worker(request):
+    """conftest.py puts each module that starts servers or several processes (this one too: its fixture
+    starts every command's --help at once) into one pytest-xdist group, so it runs on one worker. Two
+    workers would start two SLURM clusters that hand out the same job ids, and JAX derives a job's
+    coordinator port from its id. pytest 9.2 ignores the node id pytest-xdist 3.8 edits to name the group
+    (the `test` extra pins pytest below 9.2 for that)."""
+    if not request.config.getoption("loadgroup", default=False):
+        pytest.skip("not a pytest-xdist worker under --dist loadgroup (the configured `-n 2 --dist loadgroup`)")
+    assert request.node.nodeid.endswith("@test_docs"), (
+        f"{request.node.nodeid}: pytest-xdist's --dist loadgroup did not group this module (pytest "
+        f"{pytest.__version__}); the groups conftest.py sets are ignored, so servers start once per worker")

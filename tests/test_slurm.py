@@ -14,6 +14,7 @@ or slurm-wlm / munge not installed (`.ci/run` installs them with apt-get). docs/
 how to bring the same SLURM up by hand."""
 
 import os
+import random
 import re
 import shutil
 import signal
@@ -55,8 +56,12 @@ def why_slurm_cannot_start() -> str | None:
 
 
 def slurm_conf(d: str, ctld_port: int, slurmd_port: int, cpus: int) -> str:
-    """One node called localhost with `cpus` CPUs, no cgroups, no accounting, state and logs in d."""
+    """One node called localhost with `cpus` CPUs, no cgroups, no accounting, state and logs in d.
+
+    Job ids start at a random number: JAX derives a SLURM job's coordinator port from its job id, so two
+    test clusters on one machine that both count from 1 would send their jobs' tasks to one coordinator."""
     return "\n".join([
+        f"FirstJobId={random.randrange(1000, 60000)}",
         "ClusterName=stencil", "SlurmctldHost=localhost", f"SlurmctldPort={ctld_port}", f"SlurmdPort={slurmd_port}",
         "SlurmUser=root", "SlurmdUser=root",
         "AuthType=auth/munge", f"AuthInfo=socket={d}/munge.socket,cred_expire={REQUEUE_DELAY}",
