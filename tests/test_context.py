@@ -44,10 +44,13 @@ def close(a, b, tol=2e-5):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("c,window,block", [(2, None, 512), (4, None, 512), (2, None, 8), (2, 5, 512), (4, 5, 512)])
-def test_attention_split_over_context_equals_unsplit(c, window, block, monkeypatch):
-    """Block 8: each device's 16 or 8 queries go in blocks of 8 (context.QUERY_BLOCK), as long rows do."""
+@pytest.mark.parametrize("c,window,block,ring", [(2, None, 512, True), (4, None, 512, True), (2, None, 8, True),
+                                                 (4, None, 8, False), (2, 5, 512, True), (4, 5, 512, True)])
+def test_attention_split_over_context_equals_unsplit(c, window, block, ring, monkeypatch):
+    """Block 8: each device's 16 or 8 queries go in blocks of 8 (context.QUERY_BLOCK), as long rows do.
+    ring False: full attention's zigzag takes its key halves from the all-gathered row instead of the ring."""
     monkeypatch.setattr(context, "QUERY_BLOCK", block)
+    monkeypatch.setattr(context, "RING", ring)
     H, Hkv, D = 4, 2, 8
     ks = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(ks[0], (B, T, H, D))
@@ -103,6 +106,26 @@ def test_kda_split_over_context_equals_unsplit(c):
         x4 = lambda x: put(mesh, x, None, None)  # noqa: E731
         got = grad(context.kda)(x4(q), x4(k), x4(v), x4(g), put(mesh, beta, None), put(mesh, seg))
     close(got, want, 1e-4)
+
+
+@pytest.mark.parametrize("c", [2, 4])
+def test_zigzag_gives_device_r_halves_r_and_the_mirror_and_back(c):
+    """Full attention's load balance: with the row cut into 2c halves, device r attends for half r and half
+    2c-1-r (so every device has one early and one late half), and the outputs go back where they came from."""
+    from shared.kernels.dispatch import per_shard
+
+    mesh = mesh_of(c)
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    with jax.set_mesh(mesh):
+        x = put(mesh, pos)
+        zig = jax.jit(lambda x: per_shard(lambda y: context._zigzag_halves(y, c), (x,), (P("data", "context"),),
+                                          P("data", "context")))(x)
+        back = jax.jit(lambda x: per_shard(lambda y: context._contiguous_halves(y, c), (x,),
+                                           (P("data", "context"),), P("data", "context")))(zig)
+    h = T // (2 * c)
+    want = np.concatenate([np.r_[r * h:(r + 1) * h, (2 * c - 1 - r) * h:(2 * c - r) * h] for r in range(c)])
+    np.testing.assert_array_equal(np.asarray(zig)[0], want)
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(pos))
 
 
 def test_refusals_name_the_setting():

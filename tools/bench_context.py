@@ -13,12 +13,14 @@ CPU devices (mesh data 1 x context c x model 1, one row of --seq_len tokens a st
             reduce-scatter bytes the same way (the gradients of weights replicated over `context`,
             the all-gathers' backward, the loss's sums);
 and, computed from the config, the bytes one layer of each kind receives per device in the forward
-pass: full attention all-gathers (c-1)/c of the row's K and V, a window's halo is W-1 tokens of K and V
+pass: full attention all-gathers (c-1)/c of the row's K and V and moves T/c query rows in and as many
+outputs back (the zigzag; at most, a half that stays on its device is not sent), a window's halo is W-1 tokens of K and V
 (independent of the row), KDA all-gathers c states [K, K+V] per head (and 3 conv tails of conv_size-1).
 
     python tools/bench_context.py                                  # every variant, seq_len 8192, context 1 2 4
     python tools/bench_context.py --folders variants/kda --seq_len 2048 --contexts 1,2
     python tools/bench_context.py --table                          # a markdown table (docs/context-parallel.md)
+    python tools/bench_context.py --attention --seq_len 4096       # whole row vs zigzag (all-gather, ring), timed
 
 Needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (or more) on CPU. Compiling at seq_len 8192
 takes a minute or two per folder and context size on 2 cores.
@@ -72,7 +74,9 @@ def per_layer(cfg, c: int, T: int) -> dict:
     m = cfg.model
     act = jnp.dtype(m.compute_dtype).itemsize
     hkv = getattr(m, "n_kv_heads", m.n_heads)
-    out = {"full attention": int((c - 1) / c * T * 2 * hkv * m.head_dim * act)}
+    # the gathered K/V, plus the zigzag's queries in and outputs back (at most: a half that stays is not sent)
+    zigzag = 0 if c == 1 else 2 * (T // c) * m.n_heads * m.head_dim * act
+    out = {"full attention": int((c - 1) / c * T * 2 * hkv * m.head_dim * act) + zigzag}
     if getattr(m, "window", None):
         out[f"window {m.window}"] = 0 if c == 1 else (m.window - 1) * 2 * hkv * m.head_dim * act
     if hasattr(m, "chunk_size"):
@@ -106,18 +110,82 @@ def measure(folder: str, T: int, c: int) -> dict:
             "per_layer": per_layer(cfg, c, T)}
 
 
+ATTENTION_PATHS = {"whole row": dict(ZIGZAG=False, RING=False), "zigzag, all-gather": dict(ZIGZAG=True, RING=False),
+                   "zigzag, ring": dict(ZIGZAG=True, RING=True)}
+
+
+def time_attention(T: int, c: int, rounds: int, calls: int, heads=(8, 2, 64)) -> dict:
+    """Full causal `context.attention` on one row of T tokens split over c devices, forward + backward,
+    by each of ATTENTION_PATHS (shared/kernels/context.py's ZIGZAG and RING): {path: (per-round time
+    ratios to "whole row", XLA's temporaries per device in bytes)}; the paths run interleaved, each round
+    in a rotated order."""
+    import time
+
+    from jax.sharding import PartitionSpec as P
+
+    from shared.kernels import context
+
+    H, Hkv, D = heads
+    mesh = jax.make_mesh((1, c, 1), ("data", "context", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 3,
+                         devices=jax.devices()[:c])
+    ks = jax.random.split(jax.random.key(0), 3)
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data", "context", None, None)))  # noqa: E731
+    q, k, v = (put(jax.random.normal(kk, (1, T, h, D))) for kk, h in zip(ks, (H, Hkv, Hkv)))
+    saved = {name: getattr(context, name) for name in ("ZIGZAG", "RING")}
+    fns, temp = {}, {}
+    try:
+        for path, flags in ATTENTION_PATHS.items():
+            for name, value in flags.items():
+                setattr(context, name, value)  # read while tracing
+            loss = lambda q, k, v: jnp.sum(context.attention(q, k, v, causal=True, backend="reference") ** 2)  # noqa: E731
+            with jax.set_mesh(mesh):
+                compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile()
+                jax.block_until_ready(compiled(q, k, v))
+            fns[path], temp[path] = compiled, compiled.memory_analysis().temp_size_in_bytes
+    finally:
+        for name, value in saved.items():
+            setattr(context, name, value)
+    times = {p: [] for p in fns}
+    order = list(fns)
+    for i in range(rounds):
+        for path in order[i % len(order):] + order[:i % len(order)]:
+            t = time.perf_counter()
+            for _ in range(calls):
+                jax.block_until_ready(fns[path](q, k, v))
+            times[path].append(time.perf_counter() - t)
+    base = times["whole row"]
+    return {p: ([a / b for a, b in zip(ts, base)], temp[p]) for p, ts in times.items()}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--folders", default=",".join(FOLDERS), help="comma-separated folders (default: the four variants)")
     ap.add_argument("--seq_len", type=int, default=8192, help="tokens a row (default 8192)")
     ap.add_argument("--contexts", default="1,2,4", help="context axis sizes, comma-separated (default 1,2,4)")
     ap.add_argument("--table", action="store_true", help="print a markdown table with the command and date")
+    ap.add_argument("--attention", action="store_true",
+                    help="instead: time full causal attention's forward + backward (8 heads, 2 kv heads, head_dim 64): "
+                         "each device against the whole row, the zigzag on the all-gathered row, the zigzag on a "
+                         "ring; per context size > 1, with XLA's temporaries per device")
+    ap.add_argument("--rounds", type=int, default=7, help="--attention: interleaved rounds (default 7)")
+    ap.add_argument("--calls", type=int, default=3, help="--attention: calls a round (default 3)")
     args = ap.parse_args(argv)
     contexts = [int(x) for x in args.contexts.split(",")]
     if max(contexts) > jax.device_count():
         ap.error(f"--contexts {args.contexts} needs {max(contexts)} devices, {jax.device_count()} here "
                  "(XLA_FLAGS=--xla_force_host_platform_device_count=8)")
     MiB = 2**20
+    if args.attention:
+        import statistics
+
+        for c in [c for c in contexts if c > 1]:
+            for path, (r, temp) in time_attention(args.seq_len, c, args.rounds, args.calls).items():
+                logits = 1.0 if path == "whole row" else (2 * c + 2) / (4 * c)
+                print(f"full attention, seq_len {args.seq_len}, context {c}, {path}: forward + backward time / "
+                      f"whole row {statistics.median(r):.3f} median ({min(r):.3f}-{max(r):.3f}) over {args.rounds} "
+                      f"rounds of {args.calls} calls; logits {logits:.3f} of the whole row's; temporaries "
+                      f"{temp / MiB:.1f} MiB per device", flush=True)
+        return
     rows = []
     for folder in args.folders.split(","):
         base = None

@@ -6,12 +6,17 @@ MLPs, the loss) needs nothing more: each device holds its slice of every row. To
 other positions, so each family's mixer has an entry point here that runs per device
 (`jax.shard_map` over the whole mesh) and exchanges exactly what its positions need:
 
-  attention(..., window=None)   full causal attention: every device all-gathers the row's keys,
-                                values and segment ids over `context` (K/V of T tokens per layer)
-                                and attends its own queries to them, masked by global position.
-                                Every device computes the same [T/c, T] logits, so the work is even
-                                (but the masked half is computed too: no causal block skipping, and
-                                no ring; see docs/context-parallel.md for what that costs).
+  attention(..., window=None)   full causal attention on a ring with a zigzag: the row is cut into
+                                2c halves and device r attends for halves r and 2c-1-r, one early and
+                                one late (its queries, keys, values and segment ids move there by
+                                `ppermute`, its outputs back), so every device computes the same
+                                (2c+2)/(4c) of the [T/c, T] logits and skips the blocks above the
+                                diagonal (a `lax.cond` per step picks which; `_zigzag_attention`).
+                                Each of the c-1 steps passes every device's pair of K/V halves to the
+                                next device (`RING = True`; `RING = False` takes them from an
+                                all-gathered row instead, measured the same on CPU devices:
+                                docs/context-parallel.md). (c-1)/c of the row's K/V reach each device
+                                a layer either way.
   attention(..., window=W)      sliding-window attention: a halo exchange. Each device receives
                                 the previous device's last W - 1 keys, values and segment ids
                                 (`ppermute`), so the bytes sent do not grow with the row; the
@@ -135,6 +140,91 @@ def _masked(q, k, v, q_pos, k_pos, seg_q, seg_k, *, causal, scale, softcap, retu
     return jax.tree.map(unblock, out)
 
 
+ZIGZAG = True  # full attention: each device's queries as two zigzag halves, blocks nobody sees skipped
+RING = True  # the zigzag's keys passed device to device (True) or taken from the all-gathered row (False)
+
+
+def _zigzag_halves(x, c):
+    """Contiguous -> zigzag. Device r holds halves 2r and 2r+1 of the row's 2c halves (x [B, t, ...]);
+    afterwards it holds half r ("low") and half 2c-1-r ("high"), [low; high]. Half j goes to device j
+    if j < c, else 2c-1-j: the even halves move by one permutation, the odd ones by another, and each
+    device receives one even and one odd half (r and 2c-1-r differ in parity)."""
+    h = x.shape[1] // 2
+    dest = lambda j: j if j < c else 2 * c - 1 - j  # noqa: E731
+    even = jax.lax.ppermute(x[:, :h], AXIS, [(i, dest(2 * i)) for i in range(c)])
+    odd = jax.lax.ppermute(x[:, h:], AXIS, [(i, dest(2 * i + 1)) for i in range(c)])
+    r_even = jax.lax.axis_index(AXIS) % 2 == 0
+    return jnp.concatenate([jnp.where(r_even, even, odd), jnp.where(r_even, odd, even)], axis=1)
+
+
+def _contiguous_halves(x, c):
+    """Zigzag -> contiguous: the inverse of `_zigzag_halves`."""
+    h = x.shape[1] // 2
+    dest = lambda j: j if j < c else 2 * c - 1 - j  # noqa: E731
+    r_even = jax.lax.axis_index(AXIS) % 2 == 0
+    low, high = x[:, :h], x[:, h:]
+    even = jax.lax.ppermute(jnp.where(r_even, low, high), AXIS, [(dest(2 * i), i) for i in range(c)])
+    odd = jax.lax.ppermute(jnp.where(r_even, high, low), AXIS, [(dest(2 * i + 1), i) for i in range(c)])
+    return jnp.concatenate([even, odd], axis=1)
+
+
+def _zigzag_attention(q, k, v, seg, c, *, scale, softcap, return_lse):
+    """Causal attention of this device's t queries (q [B, t, H, D], k, v [B, t, Hkv, D], seg [B, t] or
+    None: its contiguous slice of the row) with the causal work the same on every device and the blocks
+    nobody sees skipped. Cut the row into 2c halves of h = t/2; device r attends for halves r and 2c-1-r
+    (a zigzag: an early and a late half), so each device's queries see (2c+1)/2 halves of keys, whatever r.
+      diagonal:   [low; high] against key halves [r; 2c-1-r], causal by position   (2h x 2h logits)
+      c-1 steps:  s = (r - i) mod c for i = 1 .. c-1, a `lax.cond` on the device:
+                  s < r: [low; high] against key half s (both see all of it)      (2h x h)
+                  s > r: high against key halves [s; 2c-1-s] (low sees neither)   (h x 2h)
+    Every other pair of (query half, key half) is above the diagonal. Each device computes (2c+2) h^2
+    logits, against 4c h^2 for its queries against the whole row. The keys of step i come from the
+    all-gathered row (`RING = False`) or, with `RING = True`, from a ring: K/V move to the zigzag too and
+    each step passes every device's pair of key halves to the next device (`ppermute`), so step i holds
+    device (r - i)'s pair, exactly halves s and 2c-1-s. The partial results are merged by their
+    log-sum-exp."""
+    h = q.shape[1] // 2
+    r = jax.lax.axis_index(AXIS)
+    lo, hi = r, 2 * c - 1 - r
+    kw = dict(causal=True, scale=scale, softcap=softcap, return_lse=True)
+    half = lambda x, j: jax.lax.dynamic_slice_in_dim(x, j * h, h, axis=1)  # noqa: E731
+    pos = lambda j: j * h + jnp.arange(h)  # noqa: E731
+    two = lambda x, a, b: None if x is None else jnp.concatenate([half(x, a), half(x, b)], axis=1)  # noqa: E731
+    zig = lambda x: None if x is None else _zigzag_halves(x, c)  # noqa: E731
+    qz, q_pos = zig(q), jnp.concatenate([pos(lo), pos(hi)])
+    if RING:
+        pair = (zig(k), zig(v), zig(seg))  # this device's key halves lo and hi: the diagonal's, then passed on
+    else:
+        gather = lambda x: None if x is None else jax.lax.all_gather(x, AXIS, axis=1, tiled=True)  # noqa: E731
+        rows = (gather(k), gather(v), gather(seg))
+        pair = tuple(two(x, lo, hi) for x in rows)
+    seg_q = pair[2]
+    parts = [_masked(qz, pair[0], pair[1], q_pos, q_pos, seg_q, seg_q, **kw)]
+
+    def both(s, kp, vp, sp):  # key half s (the pair's first), seen whole by both query halves
+        return _masked(qz, kp[:, :h], vp[:, :h], q_pos, pos(s), seg_q, None if sp is None else sp[:, :h], **kw)
+
+    def high_only(s, kp, vp, sp):  # key halves s and 2c-1-s, seen whole by the high half only
+        o, lse = _masked(qz[:, h:], kp, vp, pos(hi), jnp.concatenate([pos(s), pos(2 * c - 1 - s)]),
+                         None if seg_q is None else seg_q[:, h:], sp, **kw)
+        return (jnp.concatenate([jnp.zeros_like(o), o], axis=1),
+                jnp.concatenate([jnp.full_like(lse, -1e30), lse], axis=1))
+
+    for i in range(1, c):
+        s = (r - i) % c
+        if RING:
+            pair = jax.lax.ppermute(pair, AXIS, [(j, (j + 1) % c) for j in range(c)])
+        else:
+            pair = tuple(None if x is None else two(x, s, 2 * c - 1 - s) for x in rows)
+        parts.append(jax.lax.cond(s < r, both, high_only, s, *pair))
+    lses = jnp.stack([lse for _, lse in parts])  # [steps, B, t, H]
+    total = jax.nn.logsumexp(lses, axis=0)
+    weights = jnp.exp(lses - total)
+    out = sum(w[..., None] * o.astype(jnp.float32) for w, (o, _) in zip(weights, parts)).astype(q.dtype)
+    out = _contiguous_halves(out, c)
+    return (out, _contiguous_halves(total, c)) if return_lse else out
+
+
 def _masked_block(q, k, v, q_pos, k_pos, seg_q, seg_k, *, causal, scale, softcap, return_lse):
     B, t, H, D = q.shape
     Hkv = k.shape[2]
@@ -177,11 +267,13 @@ def attention(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None
     out_specs = [qs, P(b, t, h)] if return_lse else qs
 
     def full(q, k, v, seg):
-        T = q.shape[1]
+        t = q.shape[1]
+        if ZIGZAG and t % 2 == 0:
+            return _zigzag_attention(q, k, v, seg, c, **kw)
         r = jax.lax.axis_index(AXIS)
         gather = lambda x: jax.lax.all_gather(x, AXIS, axis=1, tiled=True)  # noqa: E731
         seg_k = None if seg is None else gather(seg)
-        return _masked(q, gather(k), gather(v), r * T + jnp.arange(T), jnp.arange(T * c), seg, seg_k,
+        return _masked(q, gather(k), gather(v), r * t + jnp.arange(t), jnp.arange(t * c), seg, seg_k,
                        causal=True, **kw)
 
     def halo(q, k, v, seg):
