@@ -60,8 +60,10 @@ tests/test_launch.py, to a local directory under SLURM in tests/test_slurm.py.)
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
+import math
 import re
 import sys
 import threading
@@ -79,6 +81,7 @@ from shared.errors import StencilError
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _LEFTOVER = re.compile(r"^step_(\d{8})\.(tmp|deleting)$")  # left by the older rename-based protocol
 COMMIT = "metadata.json"  # the commit record: a checkpoint is complete iff it exists
+RESTORE_WINDOW_BYTES = 1 << 30  # how much of a checkpoint `restore` reads ahead of the arrays it makes
 COMMIT_TIMEOUT_S = 3600.0  # how long process 0 waits for the other processes' files.p<i>.json
 
 
@@ -288,7 +291,7 @@ def _write(directory, final, step, host, meta, keep, ocdbt) -> None:
 
 
 def _wait_for_files(store, process: int, step: int) -> dict:
-    deadline = time.monotonic() + COMMIT_TIMEOUT_S
+    deadline, pause = time.monotonic() + COMMIT_TIMEOUT_S, 0.01
     while time.monotonic() < deadline:
         r = store.read(f"files.p{process}.json").result()
         if r.state == "value":
@@ -296,19 +299,31 @@ def _wait_for_files(store, process: int, step: int) -> dict:
             if "error" in got:
                 raise CheckpointError(f"process {process} could not write its shards of step {step}: {got['error']}")
             return got["files"]
-        time.sleep(0.5)
+        time.sleep(pause)  # 10 ms at first (the other process is usually a moment behind), then up to 0.5 s
+        pause = min(2 * pause, 0.5)
     raise CheckpointError(f"process {process} did not finish writing step {step} within {COMMIT_TIMEOUT_S:.0f} s")
 
 
 def _tidy(directory: str, final: str, keep: int) -> None:
-    """After a commit: delete partial saves and leftovers, and all but the newest `keep` complete checkpoints."""
+    """After a commit: delete partial saves and leftovers, and every committed checkpoint older than the newest
+    `keep` complete ones. `final` was just written and read back: complete without a second look. The others
+    are verified newest first only until `keep` complete ones are found (a damaged one among them is passed
+    over and kept, so `keep` complete ones always remain); what is older is deleted unread. One listing and,
+    at keep 2, one verification a save, not one of every checkpoint (each a request per file on a bucket)."""
     scan = objstore.scan(directory)
     for name, keys in scan.items():
         if _LEFTOVER.match(name) or (_STEP_DIR.match(name) and COMMIT not in keys):
             _delete(join(directory, name))
-    for old in all_checkpoints(directory)[:-keep] if keep > 0 else []:
-        if old != final:
-            _delete(old)
+    if keep <= 0:
+        return
+    committed = [join(directory, name) for name in sorted(scan, reverse=True)
+                 if _STEP_DIR.match(name) and COMMIT in scan[name]]
+    complete = 0
+    for path in committed:
+        if complete < keep:
+            complete += path == final or not verify(path)
+        elif path != final:
+            _delete(path)
 
 
 class Saver:
@@ -553,22 +568,46 @@ def restore(path: str, target):
     missing = [n for n in names if n not in meta["leaves"]]
     if missing:
         raise CheckpointError(f"{path} lacks {len(missing)} leaves the run expects, e.g. {missing[:3]}")
-    out = []
     for name, t in zip(names, leaves):
         saved = meta["leaves"][name]
         if tuple(saved["shape"]) != tuple(t.shape) or saved["dtype"] != np.dtype(t.dtype).name:
             raise CheckpointError(f"{path}: leaf {name} is {saved['dtype']}{saved['shape']} on disk "
                                   f"but the run expects {np.dtype(t.dtype).name}{list(t.shape)}")
+    # Every slice this process's devices need is asked for before any is waited on (on a bucket each is a
+    # request: hundreds in flight, not one after another), with at most RESTORE_WINDOW_BYTES read ahead of
+    # the arrays made from them, so host memory holds a window of the state, not all of it.
+    opening = [ts.open(_spec(path, name, meta.get("ocdbt", False)), open=True) for name in names]
+    out, ahead, ahead_bytes = [], collections.deque(), 0
+
+    def made(name, t, sharding, reads):
         try:
-            arr = ts.open(_spec(path, name, meta.get("ocdbt", False)), open=True).result()
-            sharding = _concrete_sharding(t, name)
-            out.append(jax.make_array_from_callback(tuple(t.shape), sharding,
-                                                    lambda idx, a=arr: a[idx].read().result()))
+            return jax.make_array_from_callback(tuple(t.shape), sharding, lambda idx: reads[_slice_key(idx)].result())
+        except (ValueError, RuntimeError, OSError) as e:
+            raise CheckpointError(f"checkpoint {path}: leaf {name} cannot be read: {type(e).__name__}: {e}") from e
+
+    for name, t, opened in zip(names, leaves, opening):
+        try:
+            arr, sharding = opened.result(), _concrete_sharding(t, name)
+            reads = {}
+            for idx in sharding.addressable_devices_indices_map(tuple(t.shape)).values():
+                if _slice_key(idx) not in reads:  # a slice several devices hold (replicas) is read once
+                    reads[_slice_key(idx)] = arr[idx].read()
         except (ValueError, RuntimeError, OSError) as e:
             if isinstance(e, CheckpointError):
                 raise
             raise CheckpointError(f"checkpoint {path}: leaf {name} cannot be read: {type(e).__name__}: {e}") from e
+        ahead.append((name, t, sharding, reads))
+        ahead_bytes += math.prod(t.shape) * np.dtype(t.dtype).itemsize
+        while ahead and (ahead_bytes > RESTORE_WINDOW_BYTES or len(ahead) + len(out) == len(names)):
+            name_, t_, sharding_, reads_ = ahead.popleft()
+            out.append(made(name_, t_, sharding_, reads_))
+            ahead_bytes -= math.prod(t_.shape) * np.dtype(t_.dtype).itemsize
     return jax.tree.unflatten(treedef, out), meta
+
+
+def _slice_key(index) -> tuple:
+    """A hashable key for a tuple of slices (a device's part of an array)."""
+    return tuple((s.start, s.stop, s.step) for s in index)
 
 
 def open_leaf(path: str, name: str):
