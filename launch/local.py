@@ -7,7 +7,8 @@ STENCIL_PROCESS_ID (see shared/distributed.py) and either K fake CPU devices
 (--platform cpu, the default: XLA_FLAGS=--xla_force_host_platform_device_count=K) or its
 share of this machine's GPUs (--platform gpu: CUDA_VISIBLE_DEVICES=i*K..i*K+K-1). Output is
 streamed line by line, prefixed with [pI]. If any process exits non-zero the others are
-stopped (SIGTERM, then SIGKILL) and this exits non-zero naming it.
+stopped (SIGTERM, then SIGKILL 1 s later: without it they can take no step) and this exits non-zero
+naming it.
 
 Preemption: SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 sent to this launcher are passed on to every
 process (they run in their own sessions, so a terminal's Ctrl-C reaches them only this way,
@@ -59,11 +60,15 @@ def _pump(i: int, stream, out) -> None:
     stream.close()
 
 
-def _stop(procs: list) -> None:
+STOP_GRACE_S = 10.0  # SIGTERM to SIGKILL when every process is alive (a timeout, Ctrl-C): time to save
+PEER_GONE_GRACE_S = 1.0  # ... when one has died: the rest cannot take a step or a save without it
+
+
+def _stop(procs: list, grace: float) -> None:
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + grace
     for p in procs:
         try:
             p.wait(max(0.1, deadline - time.monotonic()))
@@ -126,7 +131,7 @@ def launch(cmd: list[str], nproc: int, devices: int, platform: str = "cpu", time
         for s, h in previous.items():
             signal.signal(s, h)
     if failed is not None:
-        _stop(procs)
+        _stop(procs, PEER_GONE_GRACE_S if any(p.poll() is not None for p in procs) else STOP_GRACE_S)
     for t in pumps:
         t.join(5)
     if failed is not None:
