@@ -40,6 +40,32 @@ def sub_env(**extra):
     return env
 
 
+def finish(procs, timeout):
+    """[(output, exit status)] of each process, waited for in turn; any still running after that is killed."""
+    try:
+        return [(p.communicate(timeout=timeout)[0], p.returncode) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def wrap_step(monkeypatch, train, on_call):
+    """train.make_train_step's steps call on_call(n, state, metrics) after the n-th step (1-based), which may
+    return replacements (a poisoned update) or act (send a signal)."""
+    real = train.make_train_step
+
+    def made(*args):
+        step, calls = real(*args), [0]
+
+        def wrapped(state, batch):
+            state, m = step(state, batch)
+            calls[0] += 1
+            return on_call(calls[0], state, m) or (state, m)
+        return wrapped
+    monkeypatch.setattr(train, "make_train_step", made)
+
+
 def wait_for_step(run_dir, step, proc, timeout=240):
     """Until the run in `proc` has logged `step` (its metrics.jsonl); fails if it ends first."""
     t = time.time()

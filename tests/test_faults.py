@@ -19,7 +19,7 @@ from shared import checkpoint, data, pretokenize
 from shared.data import DataConfig, load_corpus
 from shared.variant import ROOT, load
 
-from helpers import ckpt_tree, losses, mesh, sub_env  # noqa: E402  (tests/helpers.py)
+from helpers import ckpt_tree, finish, losses, mesh, sub_env  # noqa: E402  (tests/helpers.py)
 
 pytestmark = pytest.mark.integration  # real S3 server and fault proxy on 127.0.0.1, subprocesses, kill loops
 
@@ -147,21 +147,12 @@ def _start_pair(args, endpoints):
     return procs
 
 
-def _finish(procs, timeout=400):
-    try:
-        return [(p.communicate(timeout=timeout)[0], p.returncode) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-
-
 def _resume_redoes_the_same_steps(faulty, run, url, logged):
     """Resume both processes from step 2 (the store healthy) to step 4: the redone steps' losses are the ones
     the failed run logged, bit for bit."""
     faulty.fail = 0.0
     args = tiny_dense_flags(run, url, resume="true", stop_at=4)
-    outs = _finish(_start_pair(args, [faulty.s3.endpoint, faulty.url]))
+    outs = finish(_start_pair(args, [faulty.s3.endpoint, faulty.url]), 400)
     assert [rc for _, rc in outs] == [0, 0], outs[0][0][-3000:] + outs[1][0][-3000:]
     got = losses(run)
     assert sorted(got) == [1, 2, 3, 4] and {s: got[s] for s in (3, 4)} == {s: logged[s] for s in (3, 4)}, (got, logged)
@@ -190,7 +181,7 @@ def test_process_1_refused_its_writes_of_a_save(two, tmp_path):
     url, run = _bucket(two, "p1-refused") + "/ck", tmp_path / "run"
     two.fail, two.only, two.kinds = 1.0, r"/step_00000004/arrays/", ("503", "reset")  # a delay would pass
     t0 = time.monotonic()
-    (out0, rc0), (out1, rc1) = _finish(_start_pair(tiny_dense_flags(run, url), [two.s3.endpoint, two.url]))
+    (out0, rc0), (out1, rc1) = finish(_start_pair(tiny_dense_flags(run, url), [two.s3.endpoint, two.url]), 400)
     took = time.monotonic() - t0
     print(f"\nprocess 1's writes refused: both stopped {took:.0f} s after the start")
     assert rc0 != 0 and rc1 != 0, out0[-3000:] + out1[-3000:]
@@ -276,7 +267,7 @@ def test_soak_sigkill_at_random_moments_of_a_two_process_run(tiny_dense, tmp_pat
     p = launch(straight)
     out, _ = p.communicate(timeout=900)
     assert p.returncode == 0, out[-3000:]
-    ck, kills, resumes, t_first = str(run / "checkpoints"), 0, 0, 20.0
+    ck, kills, resumes, t_first = str(run / "checkpoints"), 0, 0, 8.0  # t_first: seconds to a first step, learnt
     while kills < kills_wanted:
         resume = ["--resume", "true"] if checkpoint.latest(ck) else []
         resumes += bool(resume)

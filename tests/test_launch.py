@@ -17,7 +17,7 @@ import yaml
 from shared import checkpoint
 from shared.variant import ROOT, load
 
-from helpers import losses, sub_env  # noqa: E402  (tests/helpers.py)
+from helpers import finish, losses, sub_env  # noqa: E402  (tests/helpers.py)
 
 sys.path.insert(0, os.path.join(ROOT, "launch"))
 import k8s  # noqa: E402
@@ -97,12 +97,7 @@ def _pair(extra0, extra1, args, port, timeout=120):
                       STENCIL_HEARTBEAT_TIMEOUT="10", XLA_FLAGS="--xla_force_host_platform_device_count=4", **extra)
         procs.append(subprocess.Popen([sys.executable, SCRIPT, *a], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
-    try:
-        return [(p.communicate(timeout=timeout)[0], p.returncode) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    return finish(procs, timeout)
 
 
 def _port():

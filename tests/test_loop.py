@@ -28,6 +28,8 @@ import pytest
 from shared import checkpoint, data, run
 from shared.variant import ROOT, discover, load
 
+from helpers import wrap_step  # noqa: E402  (tests/helpers.py)
+
 VARIANTS = discover()
 
 
@@ -42,22 +44,6 @@ def tiny(train, corpus, run_dir, **over):
     kw.update(own)
     kw.update(over)
     return train.TrainConfig(model=dataclasses.replace(train.TrainConfig().model, **model_over), **kw)
-
-
-def wrap_step(monkeypatch, train, on_call):
-    """train.make_train_step's steps call on_call(n, state, metrics) after the n-th step (1-based), which may
-    return replacements (a poisoned update) or act (send a signal)."""
-    real = train.make_train_step
-
-    def made(*args):
-        step, calls = real(*args), [0]
-
-        def wrapped(state, batch):
-            state, m = step(state, batch)
-            calls[0] += 1
-            return on_call(calls[0], state, m) or (state, m)
-        return wrapped
-    monkeypatch.setattr(train, "make_train_step", made)
 
 
 def rows(run_dir):

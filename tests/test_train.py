@@ -17,7 +17,7 @@ import pytest
 from shared import checkpoint, data, flops, run
 from shared.variant import ROOT, load
 
-from helpers import arrays  # noqa: E402  (tests/helpers.py)
+from helpers import arrays, wrap_step  # noqa: E402  (tests/helpers.py)
 
 train = load(os.path.join(ROOT, "variants", "dense", "train.py"))  # the one tiny_dense (conftest) runs
 model = train.model
@@ -232,22 +232,11 @@ def test_extending_a_run_says_how_its_schedule_changes(tiny_dense, tmp_path, cap
 def poison(monkeypatch, at: int, metrics: tuple = ()):
     """From now on train.make_train_step's step number `at` returns NaN parameters (and NaN for each
     of `metrics`), as a diverging update would."""
-    real = train.make_train_step
-
-    def poisoned(*args):
-        step, calls = real(*args), [0]
-
-        def wrapped(state, batch):
-            state, m = step(state, batch)
-            calls[0] += 1
-            if calls[0] == at:
-                state = jax.tree.map(lambda x: x * jnp.nan if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
-                m = {**m, **{k: m[k] * jnp.nan for k in metrics}}
-            return state, m
-
-        return wrapped
-
-    monkeypatch.setattr(train, "make_train_step", poisoned)
+    def nan(n, state, m):
+        if n == at:
+            state = jax.tree.map(lambda x: x * jnp.nan if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+            return state, {**m, **{k: m[k] * jnp.nan for k in metrics}}
+    wrap_step(monkeypatch, train, nan)
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tiny_dense, tmp_path, monkeypatch):
