@@ -335,10 +335,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore_eos", action="store_true", help="do not stop at the end-of-text token")
     p.add_argument("--out", default="", help="write JSONL here (a new file; '-' = stdout) instead of text on stdout")
+    add_mesh_flags(p)
+    return p
+
+
+def add_mesh_flags(p: argparse.ArgumentParser) -> None:
+    """--mesh_data / --mesh_model / --mesh_expert: the mesh a command loads a model onto (also
+    shared/lm_eval_model.py's)."""
     p.add_argument("--mesh_data", type=int, default=-1, help="devices on the data axis (-1 = all of them / the others)")
     p.add_argument("--mesh_model", type=int, default=1, help="devices on the model (tensor-parallel) axis")
     p.add_argument("--mesh_expert", type=int, default=1, help="devices on the expert axis (moe_hero)")
-    return p
 
 
 def _hf_folder(hf_dir: str, variant: str) -> str:

@@ -318,9 +318,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed of generation tasks that sample")
     p.add_argument("--log_samples", action="store_true", help="also write every document's requests and responses")
     p.add_argument("--out", default="", help="write the results as JSON here (a new file)")
-    p.add_argument("--mesh_data", type=int, default=-1, help="devices on the data axis (-1 = all of them / the others)")
-    p.add_argument("--mesh_model", type=int, default=1, help="devices on the model (tensor-parallel) axis")
-    p.add_argument("--mesh_expert", type=int, default=1, help="devices on the expert axis (moe_hero)")
+    generate.add_mesh_flags(p)
     return p
 
 
