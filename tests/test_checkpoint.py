@@ -78,6 +78,22 @@ def test_keeps_last_n(tmp_path):
     assert [os.path.basename(p) for p in checkpoint.all_checkpoints(str(tmp_path))] == ["step_00000004", "step_00000005"]
 
 
+def test_keep_counts_complete_checkpoints_and_deletes_older_ones_unread(tmp_path):
+    """A damaged checkpoint among the newest is kept and passed over, so `keep` complete ones remain; what is
+    older than them goes, damaged or not (a save verifies only the checkpoints it keeps)."""
+    src = ckpt_tree(mesh(1))
+    for s in range(1, 4):
+        checkpoint.save(str(tmp_path), s, src, {}, keep=2)  # 2 and 3 kept
+    next(p for p in (tmp_path / "step_00000003" / "arrays").rglob("*") if p.is_file() and "c" in p.parts).unlink()
+    checkpoint.save(str(tmp_path), 4, src, {}, keep=2)
+    names = lambda: sorted(p.name for p in tmp_path.iterdir())  # noqa: E731
+    assert names() == ["step_00000002", "step_00000003", "step_00000004"]  # 2 kept: 3 does not count
+    assert [os.path.basename(p) for p in checkpoint.all_checkpoints(str(tmp_path))] == ["step_00000002",
+                                                                                         "step_00000004"]
+    checkpoint.save(str(tmp_path), 5, src, {}, keep=2)
+    assert names() == ["step_00000004", "step_00000005"]  # the damaged 3 older than both: deleted
+
+
 def test_mismatch_names_the_leaf(tmp_path):
     src = ckpt_tree(mesh(1))
     path = checkpoint.save(str(tmp_path), 1, src, {})
