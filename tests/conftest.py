@@ -9,6 +9,10 @@ import tempfile
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ["WANDB_MODE"] = "disabled"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Tiny programs, compiled hundreds of times: XLA's optimization passes cost more than they save here
+# (the fast tier took 0.80x as long with them off, docs/testing.md). Subprocesses inherit it; a run
+# that wants the optimized programs sets JAX_DISABLE_MOST_OPTIMIZATIONS=0 before pytest.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # One XLA compilation cache for the whole session, subprocesses included (they inherit it): a
 # program compiled twice (the same train step in several subprocess runs, a copy of a variant
 # in the contract's own tests) compiles once. Removed at exit; never the user's ~/.cache.
