@@ -255,12 +255,12 @@ def test_soak_sigkill_at_random_moments_of_a_two_process_run(tiny_dense, tmp_pat
     import random
 
     kills_wanted = int(os.environ.get("STENCIL_SOAK_KILLS", "30"))
-    rng, steps = random.Random(0), 80
+    rng, steps = random.Random(0), 160  # 30 kills took a run of 2 devices a process to about step 80
     run, straight = tmp_path / "run", tmp_path / "straight"
 
     def launch(run_dir, *extra):
         flags = tiny_dense.flags(run_dir, **END_ONLY, steps=steps, save_every=1, keep_checkpoints=2)
-        return subprocess.Popen([sys.executable, LOCAL, "--nproc", "2", "--devices", "4", "--", *flags, *extra],
+        return subprocess.Popen([sys.executable, LOCAL, "--nproc", "2", "--devices", "2", "--", *flags, *extra],
                                 env=sub_env(STENCIL_HEARTBEAT_TIMEOUT="10"), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, cwd=ROOT)
 
@@ -295,10 +295,12 @@ def test_soak_sigkill_at_random_moments_of_a_two_process_run(tiny_dense, tmp_pat
                 p.kill()
         last = checkpoint.latest(ck)  # never raises: nothing damaged is named a checkpoint
         assert last is None or checkpoint.verify(last, checksums=True) == []
+    at_last_kill = _logged(run)
     p = launch(run, "--resume", "true")
     out, _ = p.communicate(timeout=900)
     assert p.returncode == 0, out[-3000:]
-    print(f"\nsoak: {kills} SIGKILLs, {resumes + 1} resumes; the run reached step {steps}")
+    print(f"\nsoak: {kills} SIGKILLs, {resumes + 1} resumes; step {at_last_kill} logged at the last kill; the run "
+          f"reached step {steps}")
     assert kills >= kills_wanted
     got, want = losses(run), losses(straight)
     assert sorted(got) == list(range(1, steps + 1)) and got == want
