@@ -27,8 +27,10 @@ probability reaches `--top_p` (1 = all), from `--seed`.
 
 Output: each prompt and its completion as text on stdout, or JSONL (`--out FILE`, `--out -` for
 stdout): {"prompt", "completion", "new_tokens", "stop": "eos" | "max_new_tokens" | "max_len"}.
-The batch's rows are sharded over the mesh's `data` axis (and `expert`, moe_hero), which the
-number of prompts must divide (`--mesh_data` sets its size; -1 = all devices).
+The batch's rows are sharded over the mesh's `data` axis (and `expert`, moe_hero; `--mesh_data` sets its
+size; -1 = all devices); any number of prompts runs on any mesh: the batch is padded with copies of the
+last prompt to a multiple of that axis, and the copies' rows are dropped. A mesh that splits rows over
+`context` (a run's, for train.py's samples) decodes with rows whole on every device (context.unsplit).
 
 As a library: `generate(model, params, cfg, prompts, mesh=..., max_new_tokens=...)`; train.py's
 `sample()` calls it, so samples during training take the same path.
@@ -56,6 +58,7 @@ from jax.sharding import NamedSharding, reshard
 from jax.sharding import PartitionSpec as P
 
 from shared.errors import StencilError
+from shared.kernels import context
 from shared.variant import ROOT, discover, load
 
 
@@ -126,9 +129,9 @@ def rows_multiple(model, cfg, mesh) -> int:
     return int(np.prod([mesh.shape[a] for a in row_axes(model, cfg)]))
 
 
-def check_prompts(prompts, rows: int, max_len: int, vocab_size: int, names=None) -> None:
+def check_prompts(prompts, max_len: int, vocab_size: int, names=None) -> None:
     """Refuse what cannot run, naming the prompt: none, an empty one, one of max_len tokens or more
-    (no room for a new token), a token id the model does not have, a batch the rows do not divide."""
+    (no room for a new token), a token id the model does not have."""
     names = names or [f"prompt {i + 1}" for i in range(len(prompts))]
     if not prompts:
         raise GenerateError("no prompts: give --prompt TEXT or --prompts FILE")
@@ -141,10 +144,6 @@ def check_prompts(prompts, rows: int, max_len: int, vocab_size: int, names=None)
         bad = [t for t in p if not 0 <= t < vocab_size]
         if bad:
             raise GenerateError(f"{name} has token ids outside the model's vocabulary of {vocab_size}: {bad[:5]}")
-    if len(prompts) % rows:
-        raise GenerateError(f"{len(prompts)} prompts do not divide over the {rows} devices the batch's rows are "
-                            f"sharded over: give a multiple of {rows} prompts, or put fewer devices on that axis "
-                            "(--mesh_data, the others on --mesh_model)")
 
 
 def generate(model, params, cfg, prompts: list[list[int]], *, mesh, max_new_tokens: int, max_len: int | None = None,
@@ -152,18 +151,22 @@ def generate(model, params, cfg, prompts: list[list[int]], *, mesh, max_new_toke
              ) -> list[Completion]:
     """Continue each prompt (a list of token ids) by up to `max_new_tokens` tokens, as one batch on `mesh`.
 
-    `model` is a folder's model module, `cfg` its ModelConfig, `params` on `mesh`. A row stops at
+    `model` is a folder's model module, `cfg` its ModelConfig, `params` on `mesh` (any number of prompts;
+    a `context` axis above 1 is unsplit: see the module docstring). A row stops at
     `eos_id` (None: never), after max_new_tokens, or when the batch's slots reach `max_len`
     (default: the longest prompt + max_new_tokens). Every process must call it with the same arguments.
     """
     longest = max((len(p) for p in prompts), default=0)
     max_len = longest + max_new_tokens if max_len is None else max_len
-    check_prompts(prompts, rows_multiple(model, cfg, mesh), max_len, cfg.vocab_size)
+    check_prompts(prompts, max_len, cfg.vocab_size)
     if max_new_tokens < 1:
         raise GenerateError(f"--max_new_tokens must be positive, got {max_new_tokens}")
+    params, mesh = context.unsplit(params, mesh)  # rows whole on every device (a run's mesh may split them)
+    asked = len(prompts)  # the batch is padded with copies of the last prompt to a multiple of the row axes
+    prompts = list(prompts) + [prompts[-1]] * (-asked % rows_multiple(model, cfg, mesh))
     B, T = len(prompts), longest
     steps = min(max_new_tokens, max_len - T)
-    key = jax.random.key(0) if key is None else key
+    key = np.asarray(jax.random.key_data(jax.random.key(0) if key is None else key))  # off the caller's mesh
     tokens = np.zeros((B, T), np.int32)
     for b, p in enumerate(prompts):
         tokens[b, T - len(p):] = p
@@ -173,6 +176,7 @@ def generate(model, params, cfg, prompts: list[list[int]], *, mesh, max_new_toke
     out = [[] for _ in prompts]
     stop = [None] * B
     with jax.set_mesh(mesh):
+        key = jax.random.wrap_key_data(key)
         cache = jax.jit(model.init_cache, static_argnums=(0, 1, 2))(cfg, B, T + steps)
         kw = dict(model=model, cfg=cfg, sampling=sampling)
         token, cache = _first(params, place(tokens, P(*rows, None)), place(lengths, rows), cache,
@@ -191,13 +195,13 @@ def generate(model, params, cfg, prompts: list[list[int]], *, mesh, max_new_toke
                         out[b].append(int(host[b]))
             if bar:
                 bar.update(1)
-            if all(s is not None for s in stop) or i == steps - 1:
+            if all(s is not None for s in stop[:asked]) or i == steps - 1:
                 break
             token, cache = _next(params, token, cache, jax.random.fold_in(key, i + 1), **kw)
         if bar:
             bar.close()
     ended = "max_new_tokens" if steps == max_new_tokens else "max_len"
-    return [Completion(o, s or ended) for o, s in zip(out, stop)]
+    return [Completion(o, s or ended) for o, s in zip(out[:asked], stop[:asked])]
 
 
 # ---------------------------------------------------------------- the command
@@ -342,7 +346,7 @@ def parser() -> argparse.ArgumentParser:
 def add_mesh_flags(p: argparse.ArgumentParser) -> None:
     """--mesh_data / --mesh_model / --mesh_expert: the mesh a command loads a model onto (also
     shared/lm_eval_model.py's)."""
-    p.add_argument("--mesh_data", type=int, default=-1, help="devices on the data axis (-1 = all of them / the others)")
+    p.add_argument("--mesh_data", type=int, default=-1, help="devices on the data axis (-1 = all of them / the others; fewer: only the first data x model x expert devices)")
     p.add_argument("--mesh_model", type=int, default=1, help="devices on the model (tensor-parallel) axis")
     p.add_argument("--mesh_expert", type=int, default=1, help="devices on the expert axis (moe_hero)")
 
@@ -366,7 +370,9 @@ def _hf_folder(hf_dir: str, variant: str) -> str:
 
 
 def _mesh(folder: str, cfg, args):
-    """The folder's own mesh (train.make_mesh) on every device, sized by --mesh_data / --mesh_model / --mesh_expert."""
+    """The folder's own mesh (train.make_mesh), sized by --mesh_data / --mesh_model / --mesh_expert: on every
+    device with --mesh_data -1; with a --mesh_data that makes a mesh of fewer devices than the process has
+    (one process), on its first devices."""
     train = load(os.path.join(folder if os.path.isabs(folder) else os.path.join(ROOT, folder), "train.py"))
     fields = {f.name for f in dataclasses.fields(train.TrainConfig)}
     mesh = {"mesh_data": args.mesh_data, "mesh_model": args.mesh_model}
@@ -374,9 +380,13 @@ def _mesh(folder: str, cfg, args):
         mesh["mesh_expert"] = args.mesh_expert
     elif args.mesh_expert != 1:
         raise GenerateError(f"--mesh_expert: {os.path.basename(folder)} has no expert axis")
-    try:  # a batch of one row per device divides any data axis: check_prompts says what the prompts must divide
-        tc = train.TrainConfig(model=cfg, batch_size=jax.device_count(), grad_accum=1, wandb="disabled", **mesh)
-        return train.make_mesh(tc)
+    devices = jax.devices()
+    wanted = int(np.prod(list(mesh.values())))
+    if args.mesh_data != -1 and wanted < len(devices) and jax.process_count() == 1:
+        devices = devices[:wanted]
+    try:  # a batch of one row per device divides any data axis (generate() pads the prompts to it)
+        tc = train.TrainConfig(model=cfg, batch_size=len(devices), grad_accum=1, wandb="disabled", **mesh)
+        return train.make_mesh(tc, devices)
     except ValueError as e:
         raise GenerateError(f"the mesh: {e}") from e
 
@@ -458,7 +468,7 @@ def run(args) -> int:
                                                                 "where"))
     prompts = [tok.encode(t, add_special_tokens=False).ids for t in texts]
     max_len = args.max_len or int(w["seq_len"] or 0) or max(len(p) for p in prompts) + args.max_new_tokens
-    check_prompts(prompts, rows_multiple(model, cfg, mesh), max_len, cfg.vocab_size, names)
+    check_prompts(prompts, max_len, cfg.vocab_size, names)
     print(f"generating from {where}: {len(prompts)} prompts, up to {args.max_new_tokens} new tokens, "
           f"max_len {max_len}, mesh {dict(mesh.shape)}", file=sys.stderr)
     t0 = time.perf_counter()

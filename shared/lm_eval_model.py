@@ -56,6 +56,7 @@ import jax
 import numpy as np
 
 from shared import generate, probes
+from shared.kernels import context
 from shared.config import ConfigError
 from shared.errors import StencilError
 
@@ -148,6 +149,7 @@ class StencilLM(TemplateLM):
                               "rows are sharded over")
         if max_length < 2:
             raise LMEvalError(f"--max_length must be at least 2, got {max_length}")
+        params, mesh = context.unsplit(params, mesh)  # rows whole on every device: a run's mesh may split them
         self.model, self.params, self.cfg, self.mesh = model, params, cfg, mesh
         self.tok, self.eos, self.max_length, self.batch_size, self.seed = tokenizer, eos_id, max_length, batch_size, seed
 
@@ -233,7 +235,6 @@ class StencilLM(TemplateLM):
             for s in range(0, len(items), self.batch_size):
                 chunk = items[s:s + self.batch_size]
                 prompts = [self.tok_encode(c)[-keep:] or [self.eos] for _, c, _ in chunk]
-                prompts += [prompts[-1]] * ((-len(prompts)) % generate.rows_multiple(self.model, self.cfg, self.mesh))
                 done = generate.generate(self.model, self.params, self.cfg, prompts, mesh=self.mesh,
                                          max_new_tokens=max_gen, max_len=min(self.max_length, max(map(len, prompts)) + max_gen),
                                          sampling=sampling, key=jax.random.key(self.seed), eos_id=self.eos)

@@ -47,6 +47,7 @@ from jax.sharding import NamedSharding, reshard
 from jax.sharding import PartitionSpec as P
 
 from shared.config import ConfigError, check
+from shared.kernels import context
 
 KINDS = ("mqar", "passkey", "copy")
 ROLE_SEED = 0x5EED  # which vocabulary ids are keys, values, markers and filler: the same in every run
@@ -207,9 +208,11 @@ def _score(params, tokens, *, model, cfg):
 def score(model, params, cfg, mesh, tokens: np.ndarray, batch: int) -> tuple[np.ndarray, np.ndarray]:
     """(log-probability [N, T] of each next token, whether it is the argmax [N, T]) of rows tokens [N, T + 1],
     in batches of `batch` rows (a multiple of the mesh's row axes; the last batch padded with copies of a row).
-    Every process must call it with the same arguments."""
+    Rows are whole on every device (a `context` axis is unsplit: their lengths need not divide it). Every
+    process must call it with the same arguments."""
     from shared.generate import row_axes
 
+    params, mesh = context.unsplit(params, mesh)
     n = len(tokens)
     pad = (-n) % batch
     tokens = np.concatenate([tokens, np.repeat(tokens[-1:], pad, 0)]) if pad else tokens
@@ -227,6 +230,7 @@ def score(model, params, cfg, mesh, tokens: np.ndarray, batch: int) -> tuple[np.
 
 def evaluate(model, params, cfg, mesh, sets: dict, batch: int) -> dict:
     """{eval/<set>/accuracy, eval/<set>/loss} of every set {name: (tokens, answers)}."""
+    params, mesh = context.unsplit(params, mesh)  # once for every set
     row = {}
     for name, (tokens, answers) in sets.items():
         lp, g = score(model, params, cfg, mesh, tokens, batch)

@@ -90,15 +90,14 @@ def test_sampling_rules():
 
 def test_bad_inputs_get_one_clear_error():
     ok = [[1, 2, 3]] * 4
-    gen.check_prompts(ok, rows=4, max_len=8, vocab_size=10)
-    for prompts, rows, max_len, match in (
-            ([], 1, 8, "no prompts"),
-            ([[1, 2], []], 1, 8, "prompt 2 is empty"),
-            ([[1] * 8], 1, 8, "prompt 1 has 8 tokens, and max_len is 8"),
-            ([[1, 12]], 1, 8, r"outside the model's vocabulary of 10: \[12\]"),
-            ([[1]] * 3, 4, 8, "3 prompts do not divide over the 4 devices")):
+    gen.check_prompts(ok, max_len=8, vocab_size=10)
+    for prompts, max_len, match in (
+            ([], 8, "no prompts"),
+            ([[1, 2], []], 8, "prompt 2 is empty"),
+            ([[1] * 8], 8, "prompt 1 has 8 tokens, and max_len is 8"),
+            ([[1, 12]], 8, r"outside the model's vocabulary of 10: \[12\]")):
         with pytest.raises(gen.GenerateError, match=match):
-            gen.check_prompts(prompts, rows=rows, max_len=max_len, vocab_size=10)
+            gen.check_prompts(prompts, max_len=max_len, vocab_size=10)
     for kw, match in (({"temperature": -1.0}, "--temperature"), ({"top_k": -2}, "--top_k"), ({"top_p": 0.0}, "--top_p")):
         with pytest.raises(gen.GenerateError, match=match):
             gen.Sampling(**kw)
@@ -127,6 +126,33 @@ def test_batch_eos_and_max_len(run):
     assert [c.tokens for c in short] == [t[:3] for t in alone] and {c.stop for c in short} == {"max_len"}
 
 
+def test_any_number_of_prompts_on_any_mesh(run):
+    """The same greedy tokens and probe scores whatever the mesh: one device; 8 devices on `data` with 3
+    prompts (the batch padded to 8 rows, the copies dropped); a run's mesh whose rows are split over
+    `context` (data 2 x context 2 x model 2: decoding and scoring unsplit it, rows whole on every device,
+    and a scored row of 9 tokens that 2 does not divide)."""
+    from shared import probes
+
+    cfg, host = run["cfg"], jax.device_get(run["params"])
+    prompts = [[5, 9, 200, 31, 7, 7, 100], [3], [44, 45, 46]]
+    rows = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (4, 10), dtype=np.int32)
+    got = {}
+    for name, m in (("one device", mesh(1)), ("data 8", train.make_mesh(cfg)),
+                    ("context 2", train.make_mesh(dataclasses.replace(cfg, mesh_context=2, mesh_model=2)))):
+        with jax.set_mesh(m):
+            params = jax.device_put(host, jax.tree.map(lambda s: jax.NamedSharding(m, s),
+                                                       model.param_specs(cfg.model)))
+        done = gen.generate(model, params, cfg.model, prompts, mesh=m, max_new_tokens=6)
+        lp, greedy = probes.score(model, params, cfg.model, m, rows, gen.rows_multiple(model, cfg.model, m))
+        got[name] = ([c.tokens for c in done], lp, greedy)
+    tokens, lp, greedy = got.pop("one device")
+    assert len(tokens) == 3 and all(len(t) == 6 for t in tokens)
+    for name, (t, l, g) in got.items():
+        assert t == tokens, name
+        np.testing.assert_allclose(l, lp, rtol=1e-4, atol=1e-4, err_msg=name)
+        assert (g == greedy).all(), name
+
+
 def cli(argv, capsys):
     code = gen.main(argv)
     out = capsys.readouterr()
@@ -142,7 +168,6 @@ def test_command_refusals(run, capsys, tmp_path):
             ([d, "--prompt", "a", "--prompt", "def f(x): return x + 1", "--max_len", "4"],
              "--prompt #2 has 1"),  # 10+ tokens
             ([d, "--prompt", ""], "--prompt #1 is empty"),
-            ([d] + ["--prompt", "a"] * 3, "3 prompts do not divide over the 8 devices"),
             ([d, "--prompt", "a", "--out", str(tmp_path / "taken.jsonl")], "exists; choose a new file"),
             ([d], "no prompts"),
             ([d, "--prompt", "a", "--step", "3"], "no checkpoint"),
@@ -183,7 +208,7 @@ def test_the_moving_average_is_read_when_the_run_kept_one(run, capsys, tmp_path)
 
 @pytest.mark.integration  # subprocesses: the command as a user runs it, from a run directory and from hf:DIR
 def test_command_end_to_end(run, tmp_path):
-    """`python -m shared.generate` on one device: prompts from a JSONL file, greedy, JSONL out; the
+    """`python -m shared.generate` on 8 devices with 3 prompts: prompts from a JSONL file, greedy, JSONL out; the
     completions are generate()'s on the checkpoint's weights, and --init_from hf:DIR (the run exported
     by variants/dense/hf.py) gives the same."""
     hf = load(os.path.join(ROOT, "variants", "dense", "hf.py"))
@@ -192,7 +217,7 @@ def test_command_end_to_end(run, tmp_path):
     texts = ["def ", "import os\n", "class A:"]
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(t) + "\n" for t in texts[:2]) +
                                             json.dumps({"prompt": texts[2]}) + "\n")
-    env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": ROOT}
+    env = {**os.environ, "PYTHONPATH": ROOT}  # 8 devices (conftest.py): 3 prompts on a data axis of 8
     base = [sys.executable, "-m", "shared.generate", "--prompts", str(tmp_path / "prompts.jsonl"),
             "--max_new_tokens", "10", "--ignore_eos"]
     outs = {}

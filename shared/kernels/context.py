@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from shared.kernels.attention import AttentionError
@@ -83,6 +84,35 @@ def whole_row(ids):
     if axis() is None:
         return ids
     return jax.sharding.reshard(ids, P(spec(ids)[0], None))
+
+
+REPLICA = "replica"  # unsplit(): the axis the context devices move to when rows are whole
+
+
+def unsplit(params, mesh):
+    """(params, mesh) for work on whole rows: decoding (one new token a row), prompts and the short rows
+    of probes and lm-eval, whose lengths the context axis does not divide. Without a `context` axis above
+    1, `mesh` and `params` themselves. Else the same devices in a mesh whose `context` axis has size 1 and
+    whose devices along it form a trailing `replica` axis that nothing is sharded over: rows go whole to
+    every device (each of the context's device groups computes the same rows, redundantly), and each
+    weight keeps every slice on the device that holds it (re-wrapped, not copied). Every process calls it."""
+    names = tuple(mesh.axis_names)
+    if AXIS not in names or mesh.shape[AXIS] == 1:
+        return params, mesh
+    i = names.index(AXIS)
+    whole = jax.sharding.Mesh(np.expand_dims(np.moveaxis(mesh.devices, i, -1), i), (*names, REPLICA),
+                              axis_types=(jax.sharding.AxisType.Explicit,) * (len(names) + 1))
+    return jax.tree.map(lambda x: _rewrap(x, whole), params), whole
+
+
+def _rewrap(x, mesh):
+    """x (a global array) on `mesh` under the same PartitionSpec: its device buffers themselves when every
+    device's slice is the same there (no copy), else a copy (a spec naming `context`)."""
+    new = jax.sharding.NamedSharding(mesh, x.sharding.spec)
+    old_map = x.sharding.addressable_devices_indices_map(x.shape)
+    if new.addressable_devices_indices_map(x.shape) == old_map:
+        return jax.make_array_from_single_device_arrays(x.shape, new, [s.data for s in x.addressable_shards])
+    return jax.device_put(x, new)
 
 
 def refusal(seq_len: int, context: int, *, window: int | None = None, chunk: int | None = None,

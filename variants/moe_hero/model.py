@@ -628,7 +628,7 @@ def moe_ffn(h, layer, cfg: ModelConfig, weight=None):
     Returns (output, stats) with stats {"load" [E], "dropped", "router_z", "balance"} as global sums.
     """
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or set(mesh.axis_names) - {"context"} != {"data", "expert", "model"}:
+    if mesh.empty or set(mesh.axis_names) - {context.AXIS, context.REPLICA} != {"data", "expert", "model"}:
         raise ConfigError("moe_hero runs under a mesh with axes data, expert, model (train.make_mesh); "
                           f"got {mesh.axis_names if not mesh.empty else 'no mesh'}")
     dt, ep = h.dtype, mesh.shape["expert"]
