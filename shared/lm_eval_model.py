@@ -143,14 +143,14 @@ class StencilLM(TemplateLM):
                  seed: int = 0):
         _need_lm_eval()
         super().__init__()
-        rows = generate.rows_multiple(model, cfg, mesh)
-        if batch_size < 1 or batch_size % rows:
-            raise LMEvalError(f"--batch_size {batch_size} must be a positive multiple of the {rows} devices the "
-                              "rows are sharded over")
+        if batch_size < 1:
+            raise LMEvalError(f"--batch_size must be positive, got {batch_size}")
         if max_length < 2:
             raise LMEvalError(f"--max_length must be at least 2, got {max_length}")
         params, mesh = context.unsplit(params, mesh)  # rows whole on every device: a run's mesh may split them
         self.model, self.params, self.cfg, self.mesh = model, params, cfg, mesh
+        rows = generate.rows_multiple(model, cfg, mesh)
+        batch_size = -(-batch_size // rows) * rows  # a multiple of the devices the rows are sharded over
         self.tok, self.eos, self.max_length, self.batch_size, self.seed = tokenizer, eos_id, max_length, batch_size, seed
 
     @property
@@ -313,7 +313,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
     p.add_argument("--include_path", default="", help="a folder of task YAMLs lm-eval reads too (evals/tasks)")
     p.add_argument("--limit", type=int, default=0, help="documents per task (0 = all)")
-    p.add_argument("--batch_size", type=int, default=0, help="rows per batch (default: 4 per device of the batch axes)")
+    p.add_argument("--batch_size", type=int, default=0, help="rows per batch (default: 4 per device of the batch axes; "
+                   "rounded up to a multiple of them)")
     p.add_argument("--max_length", type=int, default=0, help="tokens a row holds (default: the run's seq_len)")
     p.add_argument("--num_fewshot", type=int, default=None, help="few-shot examples (default: each task's own)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of generation tasks that sample")

@@ -47,6 +47,7 @@ from jax.sharding import NamedSharding, reshard
 from jax.sharding import PartitionSpec as P
 
 from shared.config import ConfigError, check
+from shared.generate import row_axes, rows_multiple
 from shared.kernels import context
 
 KINDS = ("mqar", "passkey", "copy")
@@ -207,12 +208,13 @@ def _score(params, tokens, *, model, cfg):
 
 def score(model, params, cfg, mesh, tokens: np.ndarray, batch: int) -> tuple[np.ndarray, np.ndarray]:
     """(log-probability [N, T] of each next token, whether it is the argmax [N, T]) of rows tokens [N, T + 1],
-    in batches of `batch` rows (a multiple of the mesh's row axes; the last batch padded with copies of a row).
+    in batches of `batch` rows (rounded up to a multiple of the mesh's row axes; the last batch padded with copies
+    of a row).
     Rows are whole on every device (a `context` axis is unsplit: their lengths need not divide it). Every
     process must call it with the same arguments."""
-    from shared.generate import row_axes
-
     params, mesh = context.unsplit(params, mesh)
+    rows = rows_multiple(model, cfg, mesh)
+    batch = -(-batch // rows) * rows  # rounded up to a multiple of the devices the rows are sharded over
     n = len(tokens)
     pad = (-n) % batch
     tokens = np.concatenate([tokens, np.repeat(tokens[-1:], pad, 0)]) if pad else tokens

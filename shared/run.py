@@ -373,7 +373,10 @@ class Run:
         self.probe_sets = probes.eval_sets(cfg.probes, self.corpus.tokenizer, cfg.model.vocab_size,
                                            self.corpus.eos_id, cfg.seq_len) if cfg.probes.kinds() else {}
         both = sorted(set(self.probe_sets) & set(self.evals))
-        check(not both, "probes.sets", f"probe set(s) {both} have the name of a --data.eval set; rename that set")
+        sources = {n for n, _, _ in data.parse_sources(cfg.data.source, cfg.data.weights) if n}
+        check(not both, "probes.sets", f"probe set(s) {both} have the name of "
+              + (f"a source of data.source (eval/{both[0]}/ holds its held-out loss); rename that source, e.g. "
+                 f"recall=PATH" if set(both) & sources else "a --data.eval set; rename that set"))
         self.lm_eval_tasks = []
         if cfg.lm_eval_tasks:  # refused now if a task is unknown, not after the first steps
             from shared import lm_eval_model

@@ -3,6 +3,7 @@ configs live in conftest.py as fixtures (`tiny_dense`); these are plain function
 
 import json
 import os
+import re
 import time
 
 import jax
@@ -17,11 +18,34 @@ from shared.variant import ROOT
 DENSE = os.path.join(ROOT, "variants", "dense", "train.py")
 
 
+def text(doc: str) -> str:
+    """A file of the repository (a doc), by its path from the root."""
+    with open(os.path.join(ROOT, doc)) as f:
+        return f.read()
+
+
+def fenced(doc: str) -> list[str]:
+    """The lines of a Markdown doc's fenced code blocks, in order (a backslash joins a command's lines)."""
+    out = []
+    for block in re.findall(r"```[^\n]*\n(.*?)```", text(doc), re.S):
+        out += [line for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+    return out
+
+
+def spans(doc: str) -> list[str]:
+    """The lines of fenced code blocks, then the inline code spans, of a Markdown doc."""
+    return fenced(doc) + re.findall(r"(?<!`)`([^`\n]+)`(?!`)", re.sub(r"```.*?```", "", text(doc), flags=re.S))
+
+
+def metric_rows(run_dir) -> list[dict]:
+    """The rows of a run's metrics.jsonl, in order."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
 def losses(run_dir) -> dict:
     """{step: train/loss} of a run's metrics.jsonl (the last row of a step wins)."""
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+    return {r["step"]: r["train/loss"] for r in metric_rows(run_dir) if "train/loss" in r}
 
 
 def arrays(tree):

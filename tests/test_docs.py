@@ -17,26 +17,13 @@ import pytest
 
 from shared.variant import ROOT, discover, load
 
+from helpers import spans, text  # noqa: E402  (tests/helpers.py)
+
 DOCS = sorted({os.path.relpath(p, ROOT) for pattern in ("README.md", "AGENTS.md", "docs/**/*.md", "skills/**/*.md",
                                                          "variants/*/README.md", "templates/*/README.md")
                for p in glob.glob(os.path.join(ROOT, pattern), recursive=True)})
 TOP = ("shared/", "tools/", "tests/", "variants/", "templates/", "launch/", "skills/", "docs/", ".ci/", ".github/")
 TOP_FILES = ("README.md", "AGENTS.md", "pyproject.toml")
-
-
-def text(doc: str) -> str:
-    with open(os.path.join(ROOT, doc)) as f:
-        return f.read()
-
-
-def spans(doc: str) -> list[str]:
-    """Inline code spans and the lines of fenced code blocks (continuation lines joined)."""
-    t = text(doc)
-    out = []
-    for block in re.findall(r"```[^\n]*\n(.*?)```", t, re.S):
-        out += [line for line in block.replace("\\\n", " ").splitlines() if line.strip()]
-    out += re.findall(r"(?<!`)`([^`\n]+)`(?!`)", re.sub(r"```.*?```", "", t, flags=re.S))
-    return out
 
 
 def commands(doc: str) -> list[list[str]]:

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from helpers import mesh, sub_env
 
-from shared import probes
+from shared import data, probes
 from shared.config import ConfigError
 from shared.variant import ROOT, discover, load
 
@@ -126,6 +126,17 @@ def test_probes_on_the_eval_cadence(tiny_dense, tmp_path):
         assert last[f"eval/{name}/loss"] > 0
     # an untrained model: the answers' loss is about that of a guess over the vocabulary (512 tokens)
     assert abs(last["eval/mqar/loss"] - math.log(512)) < 1.5
+
+
+def test_a_probe_named_like_a_source_says_to_rename_the_source(tiny_dense, tmp_path):
+    """A mixture source named like a probe (both report eval/<name>/loss) is refused before anything runs,
+    naming the source, not a --data.eval set."""
+    d = os.path.dirname(tiny_dense.corpus)
+    mix = data.DataConfig(source=f"text={d}/*coder.py.txt@1,mqar={d}/*s*.py.txt@1", val_fraction=0.2)
+    with pytest.raises(ConfigError, match=r"probes.sets: probe set\(s\) \['mqar'\] have the name of a source of "
+                                          r"data.source .* rename that source"):
+        tiny_dense.train.main(tiny_dense.config(tmp_path / "run", data=mix, **PROBE_FLAGS))
+    assert not os.path.exists(tmp_path / "run")
 
 
 # ---------------------------------------------------------------- lm-eval: errors

@@ -31,9 +31,11 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
-from shared import checkpoint, data, generate, sources
+from shared import checkpoint, data, generate, probes, sources
 from shared import hf as hfio
 from shared.variant import ROOT, discover, load
+
+from helpers import metric_rows  # noqa: E402  (tests/helpers.py)
 
 FOLDERS = [f for f in discover() if os.path.isfile(os.path.join(ROOT, f, "hf.py"))]
 NAMES = [os.path.basename(f) for f in FOLDERS]
@@ -213,14 +215,17 @@ def test_import_a_transformers_model_and_train_from_it(folder, tmp_path, tokeniz
     print(f"\n{folder} import of a transformers model: max |logit diff| {diff:.2e}")
     assert diff < TOL, diff
 
-    # a few steps from it: the weights are the imported ones (a tiny lr barely moves them) and the loss is finite
+    # a few steps from it: the weights are the imported ones (a tiny lr barely moves them) and the loss is finite;
+    # with the rows split over `context`, two micro-batches, a probe and the end-of-run sample on
     train = load(os.path.join(ROOT, folder, "train.py"))
     tcfg = train.TrainConfig(init_from=f"hf:{d}", data=data.DataConfig(source=small_corpus, val_fraction=0.1),
                              seq_len=32, batch_size=8, steps=3, lr=1e-9, warmup_steps=0, eval_every=3, eval_batches=1,
-                             log_every=1, run_dir=str(tmp_path / "run"), wandb="disabled", sample_tokens=0,
-                             mesh_model=2)
+                             log_every=1, run_dir=str(tmp_path / "run"), wandb="disabled", sample_tokens=4,
+                             mesh_model=2, mesh_context=2, grad_accum=2,
+                             probes=probes.ProbeConfig(sets="mqar", rows=8, mqar_pairs=2, mqar_gap=4))
     result = train.main(tcfg)
     assert len(result["losses"]) == 3 and all(np.isfinite(v) for v in result["losses"].values())
+    assert result["sample"].strip() and "eval/mqar/accuracy" in metric_rows(tmp_path / "run")[-1]
     with jax.set_mesh(mesh()):
         for a, b in zip(jax.tree.leaves(jax.device_get(result["state"]["params"])),
                         jax.tree.leaves(jax.device_get(params))):
