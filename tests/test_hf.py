@@ -358,3 +358,20 @@ def test_init_from_is_checked(tmp_path):
     hfio.write_json(str(tmp_path / "config.json"), config)
     with pytest.raises(train.model.ConfigError, match="^init_from: model_type: "):
         train.main(train.TrainConfig(init_from=f"hf:{tmp_path}", run_dir=str(tmp_path / "run")))
+
+
+def test_init_from_checks_the_window_of_dir_not_the_default_against_the_context_split(tmp_path, tokenizer_file):
+    """A sliding window is checked against each device's slice of a row (seq_len / mesh_context) once DIR's
+    config.json has given it: the default model's window does not refuse a run whose DIR's window fits."""
+    folder = os.path.join("variants", "swa_hybrid")
+    hf, train = hf_module(folder), load(os.path.join(ROOT, folder, "train.py"))
+    for window, d in ((16, tmp_path / "w16"), (64, tmp_path / "w64")):
+        d.mkdir()
+        hfio.write_json(str(d / "config.json"), hf.hf_config(tiny(folder, window=window), "float32", 64))
+        shutil.copyfile(tokenizer_file, d / "tokenizer.json")
+    kw = dict(seq_len=32, mesh_context=2, run_dir=str(tmp_path / "run"))
+    with pytest.raises(train.model.ConfigError, match="^mesh_context: a window of 64"):
+        train.TrainConfig(**kw)  # the default model's window: refused at this split
+    assert hf.init_config(train.TrainConfig(init_from=f"hf:{tmp_path / 'w16'}", **kw)).model.window == 16
+    with pytest.raises(train.model.ConfigError, match=rf"^mesh_context: a window of 64 .* \(the window of hf:"):
+        hf.init_config(train.TrainConfig(init_from=f"hf:{tmp_path / 'w64'}", **kw))

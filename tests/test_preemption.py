@@ -210,8 +210,13 @@ def test_kill_9_in_saves_and_deletions_never_loses_the_newest_complete_checkpoin
     seen = 0
     for _ in range(3):
         resume = ["--resume", "true"] if checkpoint.all_checkpoints(str(run / "checkpoints")) else []
+        before = checkpoint.latest(str(run / "checkpoints"))
         proc = start(tiny_dense, run, *args, *resume)
         wait_for_step(run, seen + 2, proc)
+        t = time.time()  # and a save of this process committed (the first ones can lag the steps on a loaded machine)
+        while checkpoint.latest(str(run / "checkpoints")) == before and time.time() - t < 240 and proc.poll() is None:
+            time.sleep(0.1)
+        assert checkpoint.latest(str(run / "checkpoints")) != before, "no checkpoint committed"
         time.sleep(rng.uniform(0.0, 0.4))
         proc.kill()
         proc.wait()

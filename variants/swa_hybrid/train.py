@@ -81,8 +81,9 @@ class TrainConfig(run.RunConfig):  # + where the run lives, its cadences and log
               "is empty: sampling continues a prompt (or set sample_tokens 0)")
         check(self.profile_steps == "" or run.profile_range(self) is not None, "profile_steps",
               f"must be A:B with 0 < A <= B <= steps={self.steps}, got {self.profile_steps!r}")
+        window = None if self.init_from else self.model.window  # init_from: DIR's window, checked by hf.init_config
         for backend in (self.model.attention_backend, self.model.local_attention_backend or "auto"):  # the window's halo
-            why = context.refusal(self.seq_len, self.mesh_context, window=self.model.window, backend=backend)
+            why = context.refusal(self.seq_len, self.mesh_context, window=window, backend=backend)
             check(why is None, "mesh_context", why)
         check(not self.init_from or os.path.isfile(os.path.join(HERE, "hf.py")), "init_from",
               f"{os.path.basename(HERE)} has no hf.py: no Hugging Face class maps to it (see the README's table)")
