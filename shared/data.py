@@ -6,7 +6,7 @@ built-in default (`stdlib`: the running interpreter's standard library, so nothi
 downloaded), text files and a `.npy` of token ids are tokenized once into a store in the cache by
 shared/sources.py (the offline part: reading documents, tokenizers, building stores), so a second
 load is fast. Rows are read from the store on demand: nothing loads a whole store. This module holds
-the run-time part: the data config, opening a corpus, packing rows, the loaders, evaluation sets and
+the run-time part (the data config and its parsing are shared/data_config.py): opening a corpus, packing rows, the loaders, evaluation sets and
 bits per byte.
 
 `--data.source` names one source (`stdlib`; comma-separated paths/globs of text files; one .npy;
@@ -36,106 +36,14 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
-import re
 import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from shared import sources
-from shared.config import check
+from shared.data_config import DataConfig, parse_eval, parse_sources  # noqa: F401  (data.DataConfig)
 from shared.tokenstore import DataError, TokenStore  # noqa: F401  (DataError is data.DataError)
-
-NAME = re.compile(r"^([A-Za-z_][A-Za-z0-9_.-]*)=(.+)$")
-
-
-def _check(ok: bool, name: str, why: str) -> None:
-    check(ok, f"data.{name}", why, DataError)
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    source: str = "stdlib"       # "stdlib"; text paths/globs (comma-separated); one .npy; a token store (folder
-    #                              or URL); or a mixture name=path@weight,... (see shared/data.py)
-    weights: dict[str, float] = field(default_factory=dict)  # mixture weights by source name (YAML form); {} = @w / 1
-    eval: str = ""               # extra evaluation sets: name=path,... (token stores or text sources)
-    text_field: str = "text"     # field read from each JSONL line / Parquet column
-    tokenizer: str = ""          # "" = the store's, or train a byte-level BPE on the text; or a tokenizer.json
-    val_fraction: float = 0.02   # fraction of each source's documents held out (at least 1 document)
-    max_bytes: int = 0           # cap on the text bytes read from a text source (0 = no cap)
-    cache_dir: str = ""          # "" = $STENCIL_CACHE or ~/.cache/stencil
-    seed: int = 0                # data order seed
-
-    def __post_init__(self):
-        _check(isinstance(self.source, str) and self.source.strip() != "", "source", "must name a source")
-        named = [n for n, _, _ in parse_sources(self.source, self.weights) if n]  # each error names the field
-        clash = [n for n, _ in parse_eval(self.eval) if n in named]
-        _check(not clash, "eval", f"{clash} also name sources of data.source, whose held-out documents are "
-                                  f"evaluated as eval/<source>/ already; give the extra sets other names")
-        _check(bool(self.text_field), "text_field", "must be a field name, got ''")
-        _check(self.tokenizer == "" or self.tokenizer.endswith(".json"), "tokenizer",
-               f"must be '' or a tokenizer .json file, got {self.tokenizer!r}")
-        _check(0.0 < self.val_fraction < 1.0, "val_fraction", f"must be in (0, 1), got {self.val_fraction}")
-        _check(self.max_bytes >= 0, "max_bytes", f"must be >= 0 (0 = no cap), got {self.max_bytes}")
-        _check("\0" not in self.cache_dir, "cache_dir", "contains a NUL byte")
-        _check(not (self.cache_dir and os.path.isfile(os.path.expanduser(self.cache_dir))), "cache_dir",
-               f"{self.cache_dir!r} is a file, not a directory")
-        _check(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
-
-
-def parse_sources(source: str, weights: dict | None = None) -> list[tuple[str, str, float]]:
-    """[(name, spec, weight)]: one unnamed source ("", source, 1.0), or the named entries of a mixture."""
-    weights = dict(weights or {})
-    entries = [e.strip() for e in source.split(",") if e.strip()]
-    named = [NAME.match(e) for e in entries]
-    if not any(named):
-        if weights:
-            raise DataError(f"data.weights: names sources {sorted(weights)} but data.source {source!r} has no "
-                            "named sources (name=path,...)")
-        return [("", source.strip(), 1.0)]
-    out = []
-    for e, m in zip(entries, named):
-        if not m:
-            raise DataError(f"data.source: {e!r} has no name; in a mixture every entry is name=path[@weight]")
-        name, spec = m.groups()
-        w = None
-        if "@" in spec:
-            spec, _, ws = spec.rpartition("@")
-            try:
-                w = float(ws)
-            except ValueError:
-                raise DataError(f"data.source: weight {ws!r} of source {name!r} is not a number") from None
-        if name in weights:
-            if w is not None:
-                raise DataError(f"data.weights: source {name!r} already has weight @{w:g} in data.source")
-            w = float(weights.pop(name))
-        if any(n == name for n, _, _ in out):
-            raise DataError(f"data.source: source name {name!r} appears twice")
-        out.append((name, spec, 1.0 if w is None else w))
-    if weights:
-        raise DataError(f"data.weights: unknown source(s) {sorted(weights)}; the sources are {[n for n, _, _ in out]}")
-    for name, _, w in out:
-        if not (math.isfinite(w) and w >= 0):
-            raise DataError(f"data.weights: source {name!r} has weight {w}; weights must be finite and >= 0")
-    if sum(w for _, _, w in out) <= 0:
-        raise DataError(f"data.weights: the weights of {[n for n, _, _ in out]} sum to zero")
-    return out
-
-
-def parse_eval(spec: str) -> list[tuple[str, str]]:
-    """[(name, path)] of data.eval = "name=path,..."."""
-    out = []
-    for e in (e.strip() for e in spec.split(",")):
-        if not e:
-            continue
-        m = NAME.match(e)
-        if not m:
-            raise DataError(f"data.eval: {e!r} is not name=path")
-        if m.group(1) in [n for n, _ in out] or m.group(1) == "val":
-            raise DataError(f"data.eval: the name {m.group(1)!r} is used twice ('val' is the held-out split)")
-        out.append(m.groups())
-    return out
 
 
 @dataclass
@@ -317,32 +225,28 @@ def load_corpus(cfg: DataConfig, vocab_size: int, *, progress: bool = True) -> C
         raise DataError(f"tokenizer has {tok.get_vocab_size()} tokens but vocab_size is {vocab_size}")
     what = f"the tokenizer {cfg.tokenizer}" if cfg.tokenizer else "the corpus tokenizer"
 
-    opened = []
-    for (name, spec, w), kind in zip(entries, kinds):
-        if kind == "store":
+    def open_entry(cfg, spec, label, docs=None, docs_digest=""):
+        """(store, digest) of one entry of data.source or data.eval: a token store, a .npy of ids, or text."""
+        if sources.is_store(spec):
             store = sources.open_store(spec, vocab_size, tok_digest, what)
-            digest = store.digest
-        elif kind == "npy":
-            store, digest = sources.npy_store(cfg, spec, tok, tok_digest or "", vocab_size)
-        else:
-            if tok is None:
-                raise DataError(f"data.source: text source {spec!r} needs a tokenizer (set data.tokenizer)")
-            reuse = first_docs is not None and spec == entries[kinds.index("text")][1]
-            store, digest = sources.text_store(cfg, spec, tok, tok_digest, vocab_size, progress,
-                                               first_docs if reuse else None, first_digest)
+            return store, store.digest
+        if spec.endswith(".npy"):
+            return sources.npy_store(cfg, spec, tok, tok_digest or "", vocab_size)
+        if tok is None:
+            raise DataError(f"{label} needs a tokenizer (set data.tokenizer)")
+        return sources.text_store(cfg, spec, tok, tok_digest, vocab_size, progress, docs, docs_digest)
+
+    opened = []
+    for name, spec, w in entries:
+        reuse = first_docs is not None and spec == entries[kinds.index("text")][1]  # the tokenizer's documents
+        store, digest = open_entry(cfg, spec, f"data.source: text source {spec!r}", first_docs if reuse else None,
+                                   first_digest)
         train, val = store_splits(store, cfg.val_fraction, name)
         opened.append(Source(name, w, train, val, digest))
 
     evals = {}
-    for name, spec in parse_eval(cfg.eval):
-        if sources.is_store(spec):
-            store = sources.open_store(spec, vocab_size, tok_digest, what)
-        elif spec.endswith(".npy"):
-            store, _ = sources.npy_store(cfg, spec, tok, tok_digest or "", vocab_size)
-        else:
-            if tok is None:
-                raise DataError(f"data.eval: text set {name}={spec} needs a tokenizer (set data.tokenizer)")
-            store, _ = sources.text_store(dataclasses.replace(cfg, max_bytes=0), spec, tok, tok_digest, vocab_size, progress)
+    for name, spec in parse_eval(cfg.eval):  # a whole text set, whatever max_bytes caps the training text at
+        store, _ = open_entry(dataclasses.replace(cfg, max_bytes=0), spec, f"data.eval: text set {name}={spec}")
         evals[name] = whole(store, f"eval set {name} ({store.root})")
 
     eos = sources.eos_id_of(tok) if tok is not None else opened[0].train.store.eos_id

@@ -22,16 +22,14 @@ import sys
 import sysconfig
 import uuid
 import zlib
-from typing import TYPE_CHECKING
 
 import numpy as np
 from tqdm import tqdm
 
 from shared import objstore, tokenstore
+from shared.data_config import DataConfig
 from shared.tokenstore import DataError, TokenStore
 
-if TYPE_CHECKING:
-    from shared.data import DataConfig
 
 FORMAT_VERSION = 2
 
