@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import typing
 from typing import Callable
 
@@ -123,9 +122,5 @@ TRAIN_FIELDS: dict[str, Rule] = {
 RUN_FIELDS: dict[str, Rule] = {
     "log_every": positive, "save_every": at_least(0), "keep_checkpoints": positive, "run_dir": path,
     "checkpoint_dir": lambda v: v and objstore.location_error(v) or None, "resume_from": step_or_path,
-    "watchdog_s": at_least(0), "wandb": one_of("auto", "online", "offline", "disabled"), "lm_eval_limit": at_least(0),
-    "lm_eval_tasks": lambda v: None if re.fullmatch(r"[\w.*,\- ]*", v, re.ASCII) else
-    f"must be comma-separated lm-eval task names, got {v!r}",
-    "lm_eval_include": lambda v: None if v == "" or ("\0" not in v and os.path.isdir(v)) else
-    f"must be '' or a folder of lm-eval task YAMLs (evals/tasks), got {v!r}",
-}
+    "watchdog_s": at_least(0), "wandb": one_of("auto", "online", "offline", "disabled"),
+}  # the evaluation's fields: shared/evals/__init__.py's EVAL_FIELDS

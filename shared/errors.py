@@ -11,7 +11,7 @@ and keeps its traceback. The subclasses live with the code that raises them:
     shared.guard.RunLockError          the run directory is in use by another run
     shared.run.TrainingError           the run cannot go on (a non-finite loss, a refused resume)
     shared.hf.HFError                  a Hugging Face model that does not map onto a variant
-    shared.generate.GenerateError      generation that cannot run as asked (a prompt, the batch, a checkpoint)
+    shared.decode.GenerateError        generation that cannot run as asked (a prompt, the batch, a checkpoint)
     shared.distributed.DistributedError  a multi-process launch that is set up wrongly
     shared.kernels.KernelError         a kernel backend named explicitly that cannot run a call
 

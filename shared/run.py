@@ -39,20 +39,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 import math
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import jax
 
-from shared import checkpoint, data, distributed, flops, guard, kernels, metrics, probes
-from shared.config import RUN_FIELDS, check, check_fields
+from shared import checkpoint, data, distributed, flops, guard, kernels, metrics
+from shared.config import RUN_FIELDS, check_fields
 from shared.errors import StencilError
-from shared.generate import rows_multiple
-from shared.variant import load as load_module
 
 
 @dataclass
@@ -70,17 +67,9 @@ class RunConfig:
     watchdog_s: int = 1800  # abort (exit 70, every thread's stack written) if no step completes this long; 0 = off
     wandb: str = "auto"  # auto | online | offline | disabled
     profile_steps: str = ""  # "A:B": a jax.profiler trace of steps A..B into <run_dir>/profile ("" = none)
-    probes: probes.ProbeConfig = field(default_factory=probes.ProbeConfig)  # capability probes on the eval cadence
-    lm_eval_tasks: str = ""  # lm-eval tasks on the eval cadence, comma-separated ("" = none; the `eval` extra)
-    lm_eval_limit: int = 0  # documents per lm-eval task (0 = all of them)
-    lm_eval_include: str = ""  # a folder of task YAMLs lm-eval reads too (evals/tasks: offline tasks)
 
     def __post_init__(self):
         check_fields(self, RUN_FIELDS)
-        if hasattr(self, "seq_len"):  # a TrainConfig: every probe must fit in a row
-            self.probes.check_fits(self.seq_len)
-        check(not self.lm_eval_tasks or importlib.util.find_spec("lm_eval") is not None, "lm_eval_tasks",
-              "needs the lm-eval package: pip install -e '.[eval]' (docs/evaluation.md)")
 
 
 class TrainingError(StencilError, RuntimeError):
@@ -333,8 +322,9 @@ class Run:
     the logger, the saver, the stop signals and the watchdog; leaving it releases all of them, also on
     an error. Attributes a loop reads: `checkpoint`, `start`, `end`, `loader`, `evals`, `corpus`, `clock`."""
 
-    def __init__(self, cfg, folder: str, mesh):
+    def __init__(self, cfg, folder: str, mesh, evaluator=None):
         self.cfg, self.mesh, self.variant = cfg, mesh, os.path.basename(os.path.abspath(folder))
+        self.evaluator = evaluator  # evaluation beyond the held-out loss (shared/evals: probes, lm-eval), or None
         self.folder = os.path.abspath(folder)
         self.run_dir = pick_run_dir(cfg, self.variant)
         self.ckpt_dir = cfg.checkpoint_dir or os.path.join(self.run_dir, "checkpoints")
@@ -370,20 +360,8 @@ class Run:
                                        process_count=n)
         self.evals = data.eval_sets(self.corpus, cfg.seq_len, cfg.batch_size // cfg.grad_accum, cfg.eval_batches,
                                     process_index=p, process_count=n)
-        self.probe_sets = probes.eval_sets(cfg.probes, self.corpus.tokenizer, cfg.model.vocab_size,
-                                           self.corpus.eos_id, cfg.seq_len) if cfg.probes.kinds() else {}
-        both = sorted(set(self.probe_sets) & set(self.evals))
-        sources = {n for n, _, _ in data.parse_sources(cfg.data.source, cfg.data.weights) if n}
-        check(not both, "probes.sets", f"probe set(s) {both} have the name of "
-              + (f"a source of data.source (eval/{both[0]}/ holds its held-out loss); rename that source, e.g. "
-                 f"recall=PATH" if set(both) & sources else "a --data.eval set; rename that set"))
-        self.lm_eval_tasks = []
-        if cfg.lm_eval_tasks:  # refused now if a task is unknown, not after the first steps
-            from shared import lm_eval_model
-            if self.corpus.tokenizer is None:
-                raise data.DataError("lm_eval_tasks: lm-eval tasks are text, and this corpus has no tokenizer "
-                                     "(set data.tokenizer)")
-            self.lm_eval_tasks = lm_eval_model.check_tasks(cfg.lm_eval_tasks, cfg.lm_eval_include)
+        if self.evaluator:  # its sets and checks, before anything is written (a refusal leaves no directory)
+            self.evaluator.open(self.corpus, self.evals)
         self.start, self.end = 0, cfg.stop_at or cfg.steps
         self.skipped = []  # partial checkpoint folders a resume passed over: named in the run's first lines
         if self.checkpoint:
@@ -526,24 +504,14 @@ class Run:
         """eval/loss of the held-out rows, eval/<source>/loss of each source of a mixture and eval/<name>/loss of
         every named set (--data.eval), each with its bits per byte (eval/bpb, eval/<name>/bpb) when the set's
         text is known. `eval_batch(rows)` gives (summed loss, tokens) of one batch of host rows. With `params`
-        (the weights evaluation uses), the probes (eval/<probe>/accuracy, eval/<probe>/loss: shared/probes.py)
-        and the lm-eval tasks (eval/lm_eval/<task>/<metric>: shared/lm_eval_model.py) too, when the run names
-        any. Not counted in
-        tokens/s."""
+        (the weights evaluation uses), the run's evaluator too (probes, lm-eval tasks: shared/evals), when it
+        has any. Not counted in tokens/s."""
         row = {}
-        if (self.probe_sets or self.lm_eval_tasks) and params is None:
+        if self.evaluator and params is None:
             raise TypeError("Run.evaluate: this run has probes or lm-eval tasks; pass the weights (params=)")
         with self.clock.aside():
-            if self.probe_sets or self.lm_eval_tasks:
-                model = load_module(os.path.join(self.folder, "model.py"))  # train.py's own module
-                batch = rows_multiple(model, self.cfg.model, self.mesh)  # a row per device: its logits are whole
-            if self.probe_sets:
-                row |= probes.evaluate(model, params, self.cfg.model, self.mesh, self.probe_sets, batch)
-            if self.lm_eval_tasks:
-                from shared import lm_eval_model
-                row |= lm_eval_model.evaluate_in_loop(model, params, self.cfg.model, self.mesh, self.corpus.tokenizer,
-                                                      self.corpus.eos_id, self.cfg.seq_len, batch, self.lm_eval_tasks,
-                                                      self.cfg.lm_eval_limit, self.cfg.lm_eval_include)
+            if self.evaluator:
+                row |= self.evaluator(params)
             for name, s in self.evals.items():
                 nll, n = 0.0, 0.0
                 for b in s.batches:

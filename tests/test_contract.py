@@ -56,7 +56,8 @@ def modules(variant):
 # Every name main() and these tests use. A variant missing one fails test_exports, listing them all.
 EXPORTS = {
     "model": ("COPIED_FROM", "ConfigError", "ModelConfig", "check", "weights", "init", "param_specs", "forward",
-              "loss_fn", "num_params", "flops_per_token", "cache_specs", "init_cache", "prefill", "decode_step"),
+              "loss_fn", "num_params", "flops_per_token", "sharded_dims", "context_refusal", "cache_specs", "init_cache",
+              "prefill", "decode_step"),
     "train": ("TrainConfig", "CONTRACT_TINY", "make_mesh", "make_optimizer", "init_state", "make_train_step",
               "make_eval_step", "batch_spec", "to_device", "main"),
 }

@@ -18,7 +18,8 @@ import sys
 
 import pytest
 
-from shared import cli, probes
+from shared import cli
+from shared import probes
 from shared.variant import ROOT, load
 
 from helpers import fenced, sub_env  # noqa: E402  (tests/helpers.py)

@@ -194,8 +194,9 @@ def test_tool_flags_are_in_the_tools_help(doc, helps):
 def test_the_maps_name_every_module_and_tool():
     """AGENTS.md's map names every module of shared/ and every tool; a new one is added to it."""
     agents = text("AGENTS.md")
-    modules = [os.path.relpath(p, os.path.join(ROOT, "shared")) for p in glob.glob(os.path.join(ROOT, "shared", "*.py"))]
-    missing = [m for m in modules if m != "__init__.py" and f"`{m}`" not in agents]
+    modules = [os.path.relpath(p, os.path.join(ROOT, "shared")) for pattern in ("*.py", "evals/*.py")
+               for p in glob.glob(os.path.join(ROOT, "shared", pattern))]
+    missing = [m for m in modules if not m.endswith("__init__.py") and f"`{m}`" not in agents]
     missing += [f"tools/{os.path.basename(p)}" for p in glob.glob(os.path.join(ROOT, "tools", "*.py"))
                 if f"tools/{os.path.basename(p)}" not in agents]
     assert not missing, f"AGENTS.md's map does not name {sorted(missing)}"

@@ -21,7 +21,9 @@ import numpy as np
 import pytest
 from helpers import mesh, sub_env
 
-from shared import data, probes
+from shared import data, decode, trained
+from shared import probes as probes_command
+from shared.evals import harness, probes
 from shared.config import ConfigError
 from shared.variant import ROOT, discover, load
 
@@ -159,19 +161,19 @@ def lm_eval_model():
 
 @pytest.mark.integration  # lm-eval indexes its own thousands of task files (over 10 s) to say a name is none of them
 def test_unknown_task_is_refused_with_near_names(lm_eval_model):
-    with pytest.raises(lm_eval_model.LMEvalError, match=r"unknown lm-eval task 'stencil_mcq'.*stencil_mc"):
-        lm_eval_model.check_tasks("stencil_mcq", TASKS)
-    assert lm_eval_model.check_tasks("stencil_mc, stencil_ppl", TASKS) == ["stencil_mc", "stencil_ppl"]
+    with pytest.raises(harness.LMEvalError, match=r"unknown lm-eval task 'stencil_mcq'.*stencil_mc"):
+        harness.check_tasks("stencil_mcq", TASKS)
+    assert harness.check_tasks("stencil_mc, stencil_ppl", TASKS) == ["stencil_mc", "stencil_ppl"]
 
 
 def test_a_task_file_that_does_not_parse_is_named(lm_eval_model, tmp_path):
     bad = tmp_path / "tasks"
     shutil.copytree(TASKS, bad)
     (bad / "broken.yaml").write_text("task: broken\ndoc_to_text: [unclosed\n")
-    with pytest.raises(lm_eval_model.LMEvalError, match=r"broken\.yaml does not parse"):
-        lm_eval_model.check_tasks("stencil_mc", str(bad))
-    with pytest.raises(lm_eval_model.LMEvalError, match="not a directory"):
-        lm_eval_model.check_tasks("stencil_mc", str(tmp_path / "nowhere"))
+    with pytest.raises(harness.LMEvalError, match=r"broken\.yaml does not parse"):
+        harness.check_tasks("stencil_mc", str(bad))
+    with pytest.raises(harness.LMEvalError, match="not a directory"):
+        harness.check_tasks("stencil_mc", str(tmp_path / "nowhere"))
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +195,7 @@ def test_a_checkpoint_without_its_tokenizer_is_refused(lm_eval_model, dense_run,
 
 @pytest.mark.integration  # lm-eval indexes its own thousands of task files (over 10 s) to say a name is none of them
 def test_lm_eval_tasks_in_the_loop_are_checked_first(lm_eval_model, tiny_dense, tmp_path):
-    with pytest.raises(lm_eval_model.LMEvalError, match="unknown lm-eval task 'no_such_task'"):
+    with pytest.raises(harness.LMEvalError, match="unknown lm-eval task 'no_such_task'"):
         tiny_dense.train.main(tiny_dense.config(tmp_path / "run", lm_eval_tasks="no_such_task",
                                                 lm_eval_include=TASKS))
     assert not os.path.exists(tmp_path / "run" / "checkpoints")
@@ -244,8 +246,8 @@ def test_hf_export_gives_the_same_loglikelihoods_as_the_adapter(lm_eval_model, d
     theirs = HFLM(pretrained=out, dtype="float32", batch_size=4, device="cpu")
     assert theirs.max_length == ours.max_length == 32  # the run's seq_len: the perplexity documents take windows
     tasks = ["stencil_mc", "stencil_ppl"]
-    a = lm_eval_model.run_tasks(ours, tasks, include=TASKS, log_samples=True, bootstrap_iters=0)
-    b = lm_eval_model.run_tasks(theirs, tasks, include=TASKS, log_samples=True, bootstrap_iters=0)
+    a = harness.run_tasks(ours, tasks, include=TASKS, log_samples=True, bootstrap_iters=0)
+    b = harness.run_tasks(theirs, tasks, include=TASKS, log_samples=True, bootstrap_iters=0)
     worst = 0.0
     for task in tasks:
         sa, sb = _samples(a, task), _samples(b, task)
@@ -269,16 +271,14 @@ def test_every_folders_loglikelihoods_do_not_depend_on_the_batch(lm_eval_model, 
 
     from tokenizers import Tokenizer
 
-    from shared import generate
-
     model = load(os.path.join(ROOT, folder, "model.py"))
     cfg = model.ModelConfig()
-    m = generate._mesh(folder, cfg, argparse.Namespace(mesh_data=-1, mesh_model=1, mesh_expert=1))
+    m = trained._mesh(folder, cfg, argparse.Namespace(mesh_data=-1, mesh_model=1, mesh_expert=1))
     with jax.set_mesh(m):
         params = jax.jit(lambda k: model.init(cfg, k))(jax.random.key(0))
-    rows = generate.rows_multiple(model, cfg, m)
+    rows = decode.rows_multiple(model, cfg, m)
     tok = Tokenizer.from_str('{"version": "1.0", "model": {"type": "WordLevel", "vocab": {"<|eos|>": 0}, "unk_token": "<|eos|>"}}')
-    lm = lm_eval_model.StencilLM(model, params, cfg, m, tok, eos_id=0, max_length=64, batch_size=rows)
+    lm = harness.StencilLM(model, params, cfg, m, tok, eos_id=0, max_length=64, batch_size=rows)
     rng = np.random.default_rng(0)
     reqs = [(None, list(rng.integers(1, cfg.vocab_size, n)), list(rng.integers(1, cfg.vocab_size, 3)))
             for n in (5, 20, 40, 90)]  # 90: left-truncated to the last 65 tokens
@@ -301,13 +301,13 @@ def test_write_makes_training_documents_of_one_probe(tmp_path, capsys):
     out = tmp_path / "mqar"
     args = ["write", "mqar", "--out", str(out), "--tokenizer", str(tmp_path / "tok.json"), "--vocab_size", "300",
             "--seq_len", "40", "--n", "5", "--mqar_pairs", "4", "--mqar_gap", "8"]
-    assert probes.main(args) == 0
+    assert probes_command.main(args) == 0
     docs = np.load(out / "mqar.npy").reshape(5, 41)
     assert (docs[:, -1] == 0).all() and not (docs[:, :-1] == 0).any()  # one eos, at the end of each document
     cfg = probes.ProbeConfig(sets="mqar", mqar_pairs=4, mqar_gap=8)
     evals, _ = probes.make_set("mqar", cfg, probes.run_roles(tok, 300, 0), 40, 5, seed=1)
     assert not any((d == e).all() for d in docs for e in evals)  # never an evaluation sequence
     assert os.path.isfile(out / "tokenizer.json")
-    assert probes.main(args) == 2 and "not an empty directory" in capsys.readouterr().err  # nothing overwritten
-    assert probes.main([*args[:3], str(tmp_path / "other"), *args[4:-4], "--mqar_pairs", "9", "--mqar_gap", "8"]) == 2
+    assert probes_command.main(args) == 2 and "not an empty directory" in capsys.readouterr().err  # nothing overwritten
+    assert probes_command.main([*args[:3], str(tmp_path / "other"), *args[4:-4], "--mqar_pairs", "9", "--mqar_gap", "8"]) == 2
     assert "probes.mqar_pairs" in capsys.readouterr().err  # 4 x 9 + 8 > 40

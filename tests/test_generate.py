@@ -21,6 +21,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from shared import checkpoint, data, sources
+from shared import decode
 from shared import generate as gen
 from shared.variant import ROOT, load
 
@@ -64,43 +65,43 @@ def test_sample_in_the_train_loop_continues_the_prompt(run):
 def pick(logits, sampling, seed=0):
     with jax.set_mesh(mesh()):
         x = jax.device_put(np.asarray(logits, np.float32), jax.NamedSharding(mesh(), P("data", None)))
-        return np.asarray(jax.jit(gen.pick, static_argnums=2)(x, jax.random.key(seed), sampling))
+        return np.asarray(jax.jit(decode.pick, static_argnums=2)(x, jax.random.key(seed), sampling))
 
 
 def test_sampling_rules():
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(64, 50)).astype(np.float32)
     greedy = logits.argmax(-1)
-    assert (pick(logits, gen.Sampling()) == greedy).all()
-    assert (pick(logits, gen.Sampling(temperature=5.0, top_k=1)) == greedy).all()
-    assert (pick(logits, gen.Sampling(temperature=5.0, top_p=1e-6)) == greedy).all()
+    assert (pick(logits, decode.Sampling()) == greedy).all()
+    assert (pick(logits, decode.Sampling(temperature=5.0, top_k=1)) == greedy).all()
+    assert (pick(logits, decode.Sampling(temperature=5.0, top_p=1e-6)) == greedy).all()
     top3 = np.argsort(-logits, axis=-1)[:, :3]
     for seed in range(3):
-        got = pick(logits, gen.Sampling(temperature=3.0, top_k=3), seed)
+        got = pick(logits, decode.Sampling(temperature=3.0, top_k=3), seed)
         assert all(t in top3[b] for b, t in enumerate(got))
     # probabilities 0.4, 0.3, 0.2, 0.1: top_p keeps a token while the mass before it is below top_p
     probs = np.log(np.array([[0.4, 0.3, 0.2, 0.1]] * 256, np.float32))
-    assert set(pick(probs, gen.Sampling(temperature=1.0, top_p=0.35)).tolist()) == {0}
-    assert set(pick(probs, gen.Sampling(temperature=1.0, top_p=0.45)).tolist()) == {0, 1}
-    assert set(pick(probs, gen.Sampling(temperature=1.0, top_p=0.75)).tolist()) == {0, 1, 2}
-    assert set(pick(probs, gen.Sampling(temperature=1.0)).tolist()) == {0, 1, 2, 3}
-    a, b = pick(logits, gen.Sampling(temperature=1.0), 7), pick(logits, gen.Sampling(temperature=1.0), 7)
-    assert (a == b).all() and not (a == pick(logits, gen.Sampling(temperature=1.0), 8)).all()
+    assert set(pick(probs, decode.Sampling(temperature=1.0, top_p=0.35)).tolist()) == {0}
+    assert set(pick(probs, decode.Sampling(temperature=1.0, top_p=0.45)).tolist()) == {0, 1}
+    assert set(pick(probs, decode.Sampling(temperature=1.0, top_p=0.75)).tolist()) == {0, 1, 2}
+    assert set(pick(probs, decode.Sampling(temperature=1.0)).tolist()) == {0, 1, 2, 3}
+    a, b = pick(logits, decode.Sampling(temperature=1.0), 7), pick(logits, decode.Sampling(temperature=1.0), 7)
+    assert (a == b).all() and not (a == pick(logits, decode.Sampling(temperature=1.0), 8)).all()
 
 
 def test_bad_inputs_get_one_clear_error():
     ok = [[1, 2, 3]] * 4
-    gen.check_prompts(ok, max_len=8, vocab_size=10)
+    decode.check_prompts(ok, max_len=8, vocab_size=10)
     for prompts, max_len, match in (
             ([], 8, "no prompts"),
             ([[1, 2], []], 8, "prompt 2 is empty"),
             ([[1] * 8], 8, "prompt 1 has 8 tokens, and max_len is 8"),
             ([[1, 12]], 8, r"outside the model's vocabulary of 10: \[12\]")):
-        with pytest.raises(gen.GenerateError, match=match):
-            gen.check_prompts(prompts, max_len=max_len, vocab_size=10)
+        with pytest.raises(decode.GenerateError, match=match):
+            decode.check_prompts(prompts, max_len=max_len, vocab_size=10)
     for kw, match in (({"temperature": -1.0}, "--temperature"), ({"top_k": -2}, "--top_k"), ({"top_p": 0.0}, "--top_p")):
-        with pytest.raises(gen.GenerateError, match=match):
-            gen.Sampling(**kw)
+        with pytest.raises(decode.GenerateError, match=match):
+            decode.Sampling(**kw)
 
 
 def test_batch_eos_and_max_len(run):
@@ -113,16 +114,16 @@ def test_batch_eos_and_max_len(run):
         params = jax.device_put(jax.device_get(run["params"]), jax.tree.map(
             lambda s: jax.NamedSharding(m, s), model.param_specs(cfg)))
     kw = dict(mesh=m, max_new_tokens=8)
-    batch = gen.generate(model, params, cfg, prompts, **kw)
+    batch = decode.generate(model, params, cfg, prompts, **kw)
     alone = [c.tokens for c in batch]
-    assert gen.generate(model, params, cfg, [prompts[1]], **kw)[0].tokens == alone[1]  # 6 slots of padding in the batch
+    assert decode.generate(model, params, cfg, [prompts[1]], **kw)[0].tokens == alone[1]  # 6 slots of padding in the batch
     assert all(c.stop == "max_new_tokens" for c in batch) and all(len(t) == 8 for t in alone)
     eos = alone[0][2]  # row 0's third token: row 0 stops there; another row stops where it says the same
-    stopped = gen.generate(model, params, cfg, prompts, eos_id=eos, **kw)
+    stopped = decode.generate(model, params, cfg, prompts, eos_id=eos, **kw)
     for c, full in zip(stopped, alone):
         want = full[: full.index(eos)] if eos in full else full
         assert c.tokens == want and c.stop == ("eos" if eos in full else "max_new_tokens")
-    short = gen.generate(model, params, cfg, prompts, max_len=len(prompts[0]) + 3, **kw)
+    short = decode.generate(model, params, cfg, prompts, max_len=len(prompts[0]) + 3, **kw)
     assert [c.tokens for c in short] == [t[:3] for t in alone] and {c.stop for c in short} == {"max_len"}
 
 
@@ -132,7 +133,7 @@ def test_any_number_of_prompts_on_any_mesh(run):
     `context` (data 2 x context 2 x model 2: decoding and scoring unsplit it, rows whole on every device,
     and a scored row of 9 tokens that 2 does not divide). Scored in batches of 3 rows, which no row axis
     here divides (rounded up to it)."""
-    from shared import probes
+    from shared.evals import probes
 
     cfg, host = run["cfg"], jax.device_get(run["params"])
     prompts = [[5, 9, 200, 31, 7, 7, 100], [3], [44, 45, 46]]
@@ -143,7 +144,7 @@ def test_any_number_of_prompts_on_any_mesh(run):
         with jax.set_mesh(m):
             params = jax.device_put(host, jax.tree.map(lambda s: jax.NamedSharding(m, s),
                                                        model.param_specs(cfg.model)))
-        done = gen.generate(model, params, cfg.model, prompts, mesh=m, max_new_tokens=6)
+        done = decode.generate(model, params, cfg.model, prompts, mesh=m, max_new_tokens=6)
         lp, greedy = probes.score(model, params, cfg.model, m, rows, 3)  # rounded up to the row axes' multiple
         got[name] = ([c.tokens for c in done], lp, greedy)
     tokens, lp, greedy = got.pop("one device")
@@ -235,7 +236,7 @@ def test_command_end_to_end(run, tmp_path):
     with jax.set_mesh(m):
         params = jax.device_put(jax.device_get(run["params"]), jax.tree.map(
             lambda s: jax.NamedSharding(m, s), model.param_specs(cfg)))
-    want = gen.generate(model, params, cfg, [tok.encode(t, add_special_tokens=False).ids for t in texts], mesh=m,
+    want = decode.generate(model, params, cfg, [tok.encode(t, add_special_tokens=False).ids for t in texts], mesh=m,
                         max_new_tokens=10)
     assert [r["prompt"] for r in outs["run"]] == texts
     assert [r["completion"] for r in outs["run"]] == [tok.decode(c.tokens, skip_special_tokens=False) for c in want]

@@ -7,7 +7,7 @@ that has an hf.py (found as the contract finds model.py + train.py):
   tensors bit for bit (an export may fold what import cannot tell apart, as swa_hybrid's head gate);
 - import of a random transformers model of the mapped class (built from the config export writes),
   with transformers' logits, then a few train steps from it with `--init_from hf:DIR`;
-- greedy decoding with the cache (shared/generate.py) continues a prompt as transformers' `generate`;
+- greedy decoding with the cache (shared/decode.py) continues a prompt as transformers' `generate`;
 - the command line: a run's checkpoint -> a Hugging Face directory -> a stencil checkpoint;
 - refusals every hf.py makes: another architecture, a tensor it has no place for, a leaf its table
   does not map.
@@ -31,7 +31,8 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
-from shared import checkpoint, data, generate, probes, sources
+from shared import checkpoint, data, decode, sources
+from shared.evals import probes
 from shared import hf as hfio
 from shared.variant import ROOT, discover, load
 
@@ -253,7 +254,7 @@ def test_greedy_generation_matches_transformers(folder, tmp_path, tokenizer_file
     with jax.set_mesh(mesh(1, 1)):
         params = hf.model.init(cfg, jax.random.key(3))
         out = hf.export_params(params, cfg, str(tmp_path / "hf"), tokenizer_file, max_length=64, progress=False)
-        cached = generate.generate(hf.model, params, cfg, [prompt], mesh=mesh(1, 1), max_new_tokens=n_new)[0].tokens
+        cached = decode.generate(hf.model, params, cfg, [prompt], mesh=mesh(1, 1), max_new_tokens=n_new)[0].tokens
     m = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager", dtype=torch.float32)
     warned = Collect()
     logging.getLogger("transformers").addHandler(warned)  # transformers' loggers end there
@@ -263,7 +264,7 @@ def test_greedy_generation_matches_transformers(folder, tmp_path, tokenizer_file
     finally:
         logging.getLogger("transformers").removeHandler(warned)
     assert not [r for r in warned.records if "max_length" in r], warned.records  # none in generation_config.json
-    assert prompt + cached == theirs, "decoding with the cache (shared/generate.py) differs from transformers' generate"
+    assert prompt + cached == theirs, "decoding with the cache (shared/decode.py) differs from transformers' generate"
 
 
 @HF
@@ -373,5 +374,5 @@ def test_init_from_checks_the_window_of_dir_not_the_default_against_the_context_
     with pytest.raises(train.model.ConfigError, match="^mesh_context: a window of 64"):
         train.TrainConfig(**kw)  # the default model's window: refused at this split
     assert hf.init_config(train.TrainConfig(init_from=f"hf:{tmp_path / 'w16'}", **kw)).model.window == 16
-    with pytest.raises(train.model.ConfigError, match=rf"^mesh_context: a window of 64 .* \(the window of hf:"):
+    with pytest.raises(train.model.ConfigError, match=r"^mesh_context: a window of 64 .* \(the model of hf:"):
         hf.init_config(train.TrainConfig(init_from=f"hf:{tmp_path / 'w64'}", **kw))

@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from shared import checkpoint, data, probes, run
+from shared import checkpoint, data, run
+from shared.evals import probes
 from shared.variant import ROOT, discover, load
 
 from helpers import metric_rows, wrap_step  # noqa: E402  (tests/helpers.py)

@@ -8,7 +8,7 @@
 
 Speed, in one process, on one device, each folder at its CPU default ModelConfig (random weights:
 the speed does not depend on them), `--batch` rows of a `--prompt-len`-token prompt:
-  cached  shared/generate.py's generate(): model.prefill, then model.decode_step per new token, greedy
+  cached  shared/decode.py's generate(): model.prefill, then model.decode_step per new token, greedy
           (what `python -m shared.generate` and train.py's sample() run); timed whole, compilation
           excluded (a first call with the same shapes compiles);
   full    what sample() did before the cache: `forward` over the whole row of prompt + N tokens for
@@ -46,7 +46,7 @@ from jax.sharding import NamedSharding, reshard  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from shared import cli  # noqa: E402
-from shared import generate as gen  # noqa: E402
+from shared import decode  # noqa: E402
 from shared.variant import discover, load  # noqa: E402
 
 
@@ -93,7 +93,7 @@ def bench_speed(folder, new_lengths, prompt_len, batch, rounds, full_steps):
             row = jax.device_put(row, NamedSharding(mesh, P()))
 
             def cached():
-                return gen.generate(model, params, cfg, [prompt] * batch, mesh=mesh, max_new_tokens=n)
+                return decode.generate(model, params, cfg, [prompt] * batch, mesh=mesh, max_new_tokens=n)
 
             def full(k, row=row):
                 for i in range(prompt_len, prompt_len + k):

@@ -7,7 +7,7 @@ and `model` (tensor parallelism: heads and FFN width sharded). Layers are stacke
 leading axis and run with `jax.lax.scan`. Attention under a `context` axis larger than 1
 runs through shared/kernels/context.py (keys and values all-gathered over `context`).
 
-Decoding (`init_cache`, `prefill`, `decode_step`; shared/generate.py drives them) keeps every
+Decoding (`init_cache`, `prefill`, `decode_step`; shared/decode.py drives them) keeps every
 layer's keys and values in a cache, so each new token costs one position, not the whole row.
 
 Every variant is copied from this file (or from a variant copied from it) and then edited.
@@ -108,6 +108,18 @@ def init(cfg: ModelConfig, key) -> dict:
     """Each weight by its declared init, from a key derived from its name (not its place in the tree):
     a copy that adds weights starts the ones it shares with its parent from the same values."""
     return weights_lib.init_params(weights(cfg), key, cfg.param_dtype)
+
+
+def sharded_dims(cfg: ModelConfig) -> tuple:
+    """(field, size) of each size the `model` (tensor-parallel) mesh axis splits: train.py's make_mesh refuses
+    a mesh_model that does not divide one, naming the field."""
+    return (("n_heads", cfg.n_heads), ("d_ff", cfg.d_ff), ("vocab_size", cfg.vocab_size))
+
+
+def context_refusal(cfg: ModelConfig, seq_len: int, n: int) -> str | None:
+    """Why rows of `seq_len` tokens cannot be split over `n` devices of the `context` mesh axis for this model,
+    or None (shared/kernels/context.py's rules; here only the attention backend matters)."""
+    return context.refusal(seq_len, n, backend=cfg.attention_backend)
 
 
 def num_params(cfg: ModelConfig) -> int:
@@ -292,7 +304,7 @@ def attend_cache(q, k, v, visible):
 def decode_step(params, token, cache, cfg: ModelConfig):
     """One new token per row, token [B] int32, at each row's next position and the cache's next slot.
     Returns (logits [B, V] fp32 for the token after it, the cache holding it). The caller keeps the
-    slot below max_len (shared/generate.py does): a write past the end would be clamped onto the last slot."""
+    slot below max_len (shared/decode.py does): a write past the end would be clamped onto the last slot."""
     dt = jnp.dtype(cfg.compute_dtype)
     x = reshard(params["embed"], P(None, None)).at[token[:, None]].get(out_sharding=acts(None)).astype(dt)
     angles = rope_angles(cache["pos"][:, None], cfg.head_dim, cfg.rope_theta)

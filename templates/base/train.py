@@ -25,7 +25,7 @@ import optax  # noqa: E402
 from jax.sharding import AbstractMesh, AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from shared import cli, data, generate, guard, optim, run  # noqa: E402
+from shared import cli, data, decode, evals, guard, optim, run  # noqa: E402
 from shared.config import TRAIN_FIELDS, check, check_fields  # noqa: E402
 from shared.errors import StencilError  # noqa: E402
 from shared.kernels import context  # noqa: E402
@@ -36,7 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @dataclass
-class TrainConfig(run.RunConfig):  # + where the run lives, its cadences and logging: shared/run.py
+class TrainConfig(run.RunConfig, evals.EvalConfig):  # + the run's fields (shared/run.py), evaluation's (shared/evals)
     model: model.ModelConfig = field(default_factory=model.ModelConfig)
     data: data.DataConfig = field(default_factory=data.DataConfig)
     seq_len: int = 128  # tokens per row
@@ -65,7 +65,9 @@ class TrainConfig(run.RunConfig):  # + where the run lives, its cadences and log
     seed: int = 0
 
     def __post_init__(self):
-        super().__post_init__()  # the run's own fields (shared/run.py)
+        run.RunConfig.__post_init__(self)  # the run's own fields (shared/run.py)
+        evals.EvalConfig.__post_init__(self)  # the probes' and lm-eval's (shared/evals/__init__.py)
+        self.probes.check_fits(self.seq_len)  # every probe fits in a row
         check_fields(self, TRAIN_FIELDS)  # types, and each field's own range or choices (shared/config.py)
         check(self.batch_size % self.grad_accum == 0, "grad_accum",
               f"{self.grad_accum} must divide batch_size={self.batch_size}")
@@ -77,8 +79,8 @@ class TrainConfig(run.RunConfig):  # + where the run lives, its cadences and log
               "is empty: sampling continues a prompt (or set sample_tokens 0)")
         check(self.profile_steps == "" or run.profile_range(self) is not None, "profile_steps",
               f"must be A:B with 0 < A <= B <= steps={self.steps}, got {self.profile_steps!r}")
-        why = context.refusal(self.seq_len, self.mesh_context, backend=self.model.attention_backend)
-        check(why is None, "mesh_context", why)
+        why = model.context_refusal(self.model, self.seq_len, self.mesh_context)  # the rows' split (model.py)
+        check(why is None or bool(self.init_from), "mesh_context", why)  # init_from: DIR's model, in hf.init_config
         check(not self.init_from or os.path.isfile(os.path.join(HERE, "hf.py")), "init_from",
               f"{os.path.basename(HERE)} has no hf.py: no Hugging Face class maps to it (see the README's table)")
 
@@ -104,7 +106,7 @@ def make_mesh(cfg: TrainConfig, devices=None):
     check(micro % dp == 0, "batch_size",
           f"micro-batch batch_size/grad_accum={micro} is not divisible by the data axis ({dp} devices)")
     m = cfg.model
-    for name, size in (("n_heads", m.n_heads), ("d_ff", m.d_ff), ("vocab_size", m.vocab_size)):
+    for name, size in model.sharded_dims(m):  # what the `model` axis splits (model.py)
         check(size % tp == 0, f"model.{name}", f"{size} is not divisible by mesh_model={tp}")
     check(m.d_model % dp == 0, "model.d_model", f"{m.d_model} is not divisible by the data axis ({dp})")
     shape, axes = (dp, cp, tp), ("data", "context", "model")
@@ -203,14 +205,14 @@ SHOWN = {"train/loss": ("loss", ".4f"), "eval/loss": ("val", ".4f"),
 
 def sample(params, cfg: TrainConfig, corpus, mesh, n_tokens: int, key) -> str:
     """Temperature-0.8 sampling from `sample_prompt` with the model's cache: the path of `python -m
-    shared.generate` (shared/generate.py). The prompt runs on as many rows as the mesh splits a batch
+    shared.generate` (shared/decode.py). The prompt runs on as many rows as the mesh splits a batch
     into (every row samples its own continuation; the first is shown), up to seq_len tokens or the
     end-of-text token."""
     prompt = corpus.encode(cfg.sample_prompt)[: cfg.seq_len - 1] or [corpus.eos_id]
-    rows = generate.rows_multiple(model, cfg.model, mesh)
-    done = generate.generate(model, params, cfg.model, [prompt] * rows, mesh=mesh, max_new_tokens=n_tokens,
-                             max_len=cfg.seq_len, sampling=generate.Sampling(temperature=0.8), key=key,
-                             eos_id=corpus.eos_id)
+    rows = decode.rows_multiple(model, cfg.model, mesh)
+    done = decode.generate(model, params, cfg.model, [prompt] * rows, mesh=mesh, max_new_tokens=n_tokens,
+                           max_len=cfg.seq_len, sampling=decode.Sampling(temperature=0.8), key=key,
+                           eos_id=corpus.eos_id)
     return corpus.decode(prompt + done[0].tokens)
 
 
@@ -221,7 +223,8 @@ def main(cfg: TrainConfig) -> dict:
         cfg = sibling(__file__, "hf").init_config(cfg)
     mesh = make_mesh(cfg)  # validates mesh/batch/width divisibility before anything is compiled
     optimizer, schedule = make_optimizer(cfg)
-    with run.Run(cfg, HERE, mesh) as r, jax.set_mesh(mesh):  # run dir, lock, resume checks, data (shared/run.py)
+    evaluator = evals.Evaluator(cfg, model, mesh)  # probes and lm-eval tasks on the eval cadence, if asked for
+    with run.Run(cfg, HERE, mesh, evaluator) as r, jax.set_mesh(mesh):  # run dir, lock, resume checks, data (shared/run.py)
         key = jax.random.key(cfg.seed)
         if r.checkpoint:  # resuming: the checkpoint's state, and the data where it was
             state = r.restore(jax.eval_shape(lambda k: init_state(cfg, optimizer, k), key))

@@ -243,6 +243,9 @@ def init_config(cfg):
         tok = cfg.data.tokenizer or hfio.hf_tokenizer(d)
     except HFError as e:
         raise model.ConfigError(f"init_from: {e}") from e
+    why = model.context_refusal(m, cfg.seq_len, cfg.mesh_context)  # DIR's model against the rows' split
+    if why:
+        raise model.ConfigError(f"mesh_context: {why} (the model of {cfg.init_from})")
     return dataclasses.replace(cfg, model=m, data=dataclasses.replace(cfg.data, tokenizer=tok))
 
 

@@ -31,7 +31,7 @@ Widths are dense's: a KDA layer has more weights than an attention layer (k and 
 n_heads heads, plus gates), so at the same shape the model is larger; `num_params` and
 `flops_per_token` count it as it is.
 
-Decoding (`init_cache`, `prefill`, `decode_step`; shared/generate.py drives them): a KDA layer
+Decoding (`init_cache`, `prefill`, `decode_step`; shared/decode.py drives them): a KDA layer
 keeps its state [H, head_dim, head_dim] and the last conv_size - 1 inputs of its short
 convolutions, whatever the length; an attention layer keeps its keys and values (linear in length).
 """
@@ -208,6 +208,22 @@ def init(cfg: ModelConfig, key) -> dict:
     """Each weight by its declared init, from a key derived from its name (not its place in the tree):
     a copy that adds weights starts the ones it shares with its parent from the same values."""
     return weights_lib.init_params(weights(cfg), key, cfg.param_dtype)
+
+
+def sharded_dims(cfg: ModelConfig) -> tuple:
+    """(field, size) of each size the `model` (tensor-parallel) mesh axis splits: train.py's make_mesh refuses
+    a mesh_model that does not divide one, naming the field."""
+    return (("n_kv_heads", cfg.n_kv_heads), ("d_ff", cfg.d_ff), ("vocab_size", cfg.vocab_size))
+
+
+def context_refusal(cfg: ModelConfig, seq_len: int, n: int) -> str | None:
+    """Why rows of `seq_len` tokens cannot be split over `n` devices of the `context` mesh axis for this model,
+    or None (shared/kernels/context.py's rules): each device's slice is whole KDA chunks, and only the XLA
+    chunked recurrence folds the state across devices."""
+    why = context.refusal(seq_len, n, chunk=cfg.chunk_size, backend=cfg.attention_backend)
+    if why is None and n > 1 and cfg.kda_impl != "xla":
+        why = f"model.kda_impl {cfg.kda_impl!r} cannot run under context parallelism (mesh_context={n}): use 'xla'"
+    return why
 
 
 def num_params(cfg: ModelConfig) -> int:
@@ -553,7 +569,7 @@ def attend_cache(q, k, v, visible):
 def decode_step(params, token, cache, cfg: ModelConfig):
     """One new token per row, token [B] int32, at each row's next position and the cache's next slot.
     Returns (logits [B, V] fp32 for the token after it, the cache holding it). The caller keeps the
-    slot below max_len (shared/generate.py does): a write past the end would be clamped onto the last slot.
+    slot below max_len (shared/decode.py does): a write past the end would be clamped onto the last slot.
 
     The layers run one after the other in their order (a Python loop over the two stacks)."""
     dt = jnp.dtype(cfg.compute_dtype)

@@ -300,6 +300,23 @@ def init(cfg: ModelConfig, key) -> dict:
     return weights_lib.init_params(weights(cfg), key, cfg.param_dtype)
 
 
+def sharded_dims(cfg: ModelConfig) -> tuple:
+    """(field, size) of each size the `model` (tensor-parallel) mesh axis splits: train.py's make_mesh refuses
+    a mesh_model that does not divide one, naming the field."""
+    return (("n_kv_heads", cfg.n_kv_heads), ("d_ff", cfg.d_ff), ("vocab_size", cfg.vocab_size), ("d_expert", cfg.d_expert))
+
+
+def context_refusal(cfg: ModelConfig, seq_len: int, n: int) -> str | None:
+    """Why rows of `seq_len` tokens cannot be split over `n` devices of the `context` mesh axis for this model,
+    or None (shared/kernels/context.py's rules): a window's halo comes from the previous device alone, with the
+    backend of either layer kind."""
+    for backend in (cfg.attention_backend, cfg.local_attention_backend or "auto"):
+        why = context.refusal(seq_len, n, window=cfg.window, backend=backend)
+        if why:
+            return why
+    return None
+
+
 def num_params(cfg: ModelConfig) -> int:
     return sum(math.prod(s) for s in jax.tree.leaves(param_shapes(cfg), is_leaf=lambda s: isinstance(s, tuple)))
 
@@ -836,7 +853,7 @@ def attend_cache(q, k, v, visible, softcap: float):
 def decode_step(params, token, cache, cfg: ModelConfig):
     """One new token per row, token [B] int32, at each row's next position and the cache's next slot.
     Returns (logits [B, V] fp32 for the token after it, the cache holding it). The caller keeps the
-    slot below max_len (shared/generate.py does): a write past the end would be clamped onto the last slot.
+    slot below max_len (shared/decode.py does): a write past the end would be clamped onto the last slot.
 
     The layers run one after the other (a Python loop: local and global caches differ in length, and
     dense and MoE layers in weights); each token is routed as `forward` routes it, dropless (`prefill`)."""

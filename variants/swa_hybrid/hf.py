@@ -59,7 +59,6 @@ from jax.sharding import AxisType  # noqa: E402
 from shared import checkpoint  # noqa: E402
 from shared import hf as hfio  # noqa: E402
 from shared.hf import HFError, refuse  # noqa: E402
-from shared.kernels import context  # noqa: E402
 from shared.variant import sibling  # noqa: E402
 
 model = sibling(__file__, "model")
@@ -291,10 +290,9 @@ def init_config(cfg):
         tok = cfg.data.tokenizer or hfio.hf_tokenizer(d)
     except HFError as e:
         raise model.ConfigError(f"init_from: {e}") from e
-    for backend in (m.attention_backend, m.local_attention_backend or "auto"):  # DIR's window against the rows' split
-        why = context.refusal(cfg.seq_len, cfg.mesh_context, window=m.window, backend=backend)
-        if why:
-            raise model.ConfigError(f"mesh_context: {why} (the window of {cfg.init_from})")
+    why = model.context_refusal(m, cfg.seq_len, cfg.mesh_context)  # DIR's model against the rows' split
+    if why:
+        raise model.ConfigError(f"mesh_context: {why} (the model of {cfg.init_from})")
     return dataclasses.replace(cfg, model=m, data=dataclasses.replace(cfg.data, tokenizer=tok))
 
 

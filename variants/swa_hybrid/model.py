@@ -26,7 +26,7 @@ embeddings, z-loss, bfloat16 compute, remat policy); this variant adds:
     learned scalar initialised at 0, so the gate starts as the identity. Weight decay
     pulls g_h back to 0, i.e. towards the identity, never towards shutting a head off.
 
-Decoding (`init_cache`, `prefill`, `decode_step`; shared/generate.py drives them) keeps every
+Decoding (`init_cache`, `prefill`, `decode_step`; shared/decode.py drives them) keeps every
 layer's keys and values in a cache, so each new token costs one position, not the whole row. A
 global layer keeps every slot; a local layer only its last `window` ones, in a ring (slot s at
 s % window): its memory stops growing past the window.
@@ -178,6 +178,23 @@ def init(cfg: ModelConfig, key) -> dict:
     """Each weight by its declared init, from a key derived from its name (not its place in the tree):
     a copy that adds weights starts the ones it shares with its parent from the same values."""
     return weights_lib.init_params(weights(cfg), key, cfg.param_dtype)
+
+
+def sharded_dims(cfg: ModelConfig) -> tuple:
+    """(field, size) of each size the `model` (tensor-parallel) mesh axis splits: train.py's make_mesh refuses
+    a mesh_model that does not divide one, naming the field."""
+    return (("n_kv_heads", cfg.n_kv_heads), ("d_ff", cfg.d_ff), ("vocab_size", cfg.vocab_size))
+
+
+def context_refusal(cfg: ModelConfig, seq_len: int, n: int) -> str | None:
+    """Why rows of `seq_len` tokens cannot be split over `n` devices of the `context` mesh axis for this model,
+    or None (shared/kernels/context.py's rules): a window's halo comes from the previous device alone, with the
+    backend of either layer kind."""
+    for backend in (cfg.attention_backend, cfg.local_attention_backend or "auto"):
+        why = context.refusal(seq_len, n, window=cfg.window, backend=backend)
+        if why:
+            return why
+    return None
 
 
 def num_params(cfg: ModelConfig) -> int:
@@ -443,7 +460,7 @@ def attend_cache(q, k, v, visible, softcap: float):
 def decode_step(params, token, cache, cfg: ModelConfig):
     """One new token per row, token [B] int32, at each row's next position and the cache's next slot.
     Returns (logits [B, V] fp32 for the token after it, the cache holding it). The caller keeps the
-    slot below max_len (shared/generate.py does): a write past the end would be clamped onto the last slot.
+    slot below max_len (shared/decode.py does): a write past the end would be clamped onto the last slot.
 
     The layers run one after the other (a Python loop: a local and a global layer have caches of
     different lengths, so they do not stack into one scan)."""
