@@ -169,12 +169,12 @@ def make_set(name: str, cfg: ProbeConfig, roles: Roles, seq_len: int, n: int, se
     (mqar, copy, passkey_<percent>)."""
     rng = np.random.default_rng([seed, sum(map(ord, name))])
     if name == "mqar":
-        one = lambda: make_mqar(rng, roles, seq_len, cfg.mqar_pairs, cfg.mqar_gap)
+        one = functools.partial(make_mqar, rng, roles, seq_len, cfg.mqar_pairs, cfg.mqar_gap)
     elif name == "copy":
-        one = lambda: make_copy(rng, roles, seq_len, cfg.copy_len)
+        one = functools.partial(make_copy, rng, roles, seq_len, cfg.copy_len)
     else:
         depth = {depth_name(d): d for d in cfg.depths()}[name]
-        one = lambda: make_passkey(rng, roles, seq_len, depth, cfg.passkey_len)
+        one = functools.partial(make_passkey, rng, roles, seq_len, depth, cfg.passkey_len)
     toks, ans = zip(*(one() for _ in range(n)))
     return np.stack(toks).astype(np.int32), np.stack(ans)
 

@@ -38,17 +38,15 @@ import os
 import shutil
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import jax
+import ml_dtypes
+import numpy as np
+from jax.sharding import AxisType
 
-import jax  # noqa: E402
-import ml_dtypes  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import AxisType  # noqa: E402
-
-from shared import checkpoint  # noqa: E402
-from shared import hf as hfio  # noqa: E402
-from shared.hf import HFError, refuse  # noqa: E402
-from shared.variant import sibling  # noqa: E402
+from shared import checkpoint
+from shared import hf as hfio
+from shared.hf import HFError, refuse
+from shared.variant import sibling
 
 model = sibling(__file__, "model")
 VARIANT = os.path.basename(os.path.dirname(os.path.abspath(__file__)))

@@ -12,17 +12,13 @@ over a few runs after a warm-up, and the compiled program's temporary memory
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from shared import kernels  # noqa: E402
-from shared.kernels.kda import kda  # noqa: E402
+from shared import kernels
+from shared.kernels.kda import kda
 
 
 def kda_fwd_bwd(chunk):

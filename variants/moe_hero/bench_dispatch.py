@@ -23,16 +23,13 @@ import dataclasses
 import functools
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from shared.variant import sibling  # noqa: E402
+from shared.variant import sibling
 
 train = sibling(__file__, "train")
 model = train.model

@@ -24,19 +24,17 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import AbstractMesh, AxisType, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-from shared import cli, data, decode, evals, guard, optim, run  # noqa: E402
-from shared.config import TRAIN_FIELDS, at_least, check, check_fields, positive  # noqa: E402
-from shared.errors import StencilError  # noqa: E402
-from shared.kernels import context  # noqa: E402
-from shared.variant import sibling  # noqa: E402
+from shared import cli, data, decode, evals, guard, optim, run
+from shared.config import TRAIN_FIELDS, at_least, check, check_fields, positive
+from shared.errors import StencilError
+from shared.kernels import context
+from shared.variant import sibling
 
 model = sibling(__file__, "model")
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -12,16 +12,12 @@ linearly in T; full attention grows as T^2.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from shared import kernels  # noqa: E402
+from shared import kernels
 
 
 def fwd_bwd(window):
