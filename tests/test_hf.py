@@ -14,7 +14,7 @@ that has an hf.py (found as the contract finds model.py + train.py):
 
 These need torch and transformers (the `hf` extra after a CPU torch, as .ci/run installs them) and are
 in the integration tier; the refusals need neither and are fast. A folder's own cases (the options its
-import refuses, its layer pattern) go in its own tests/test_<folder>.py (AGENTS.md, "A variant's own tests").
+import refuses, its layer pattern) go in its own <folder>/test_<name>.py (AGENTS.md, "A variant's own tests").
 """
 
 import dataclasses

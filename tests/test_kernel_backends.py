@@ -271,7 +271,7 @@ BLOCKED_CASES = {  # name: B, T, S, H, Hkv, D, causal, window, segments, softcap
 @pytest.mark.parametrize("case", list(BLOCKED_CASES))
 def test_blocked_attention_matches_reference(case):
     """Output, lse and the gradients of q, k, v (with a cotangent on out and on lse) against the reference's
-    dense masked path (the definition; tests/test_swa_hybrid.py checks its blockwise path against it)."""
+    dense masked path (the definition; variants/swa_hybrid/test_swa_hybrid.py checks its blockwise path against it)."""
     B, T, S, H, Hkv, D, causal, window, segments, softcap = BLOCKED_CASES[case]
     rng = np.random.default_rng(T + S + H)
     q, k, v = rand(rng, B, T, H, D), rand(rng, B, S, Hkv, D), rand(rng, B, S, Hkv, D)

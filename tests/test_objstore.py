@@ -28,7 +28,7 @@ pytestmark = pytest.mark.integration  # real S3 and GCS servers on 127.0.0.1, su
 train = load(os.path.join(ROOT, "variants", "dense", "train.py"))  # the one tiny_dense (conftest) runs
 END_ONLY = {"eval_every": 1000, "eval_batches": 1}  # evaluated only at the end
 _names = itertools.count()
-# the servers: the session fixtures s3 and gcs of tests/conftest.py
+# the servers: the session fixtures s3 and gcs of conftest.py
 
 
 @pytest.fixture(params=["s3", "gs"])

@@ -446,3 +446,11 @@ def test_runs_with_the_real_compare_runs(repo, tmp_path):
     assert (out_dir / "summary.md").read_text().rstrip("\n") in md
     rc, _, err = run(repo, "variants/b", "--out", str(out_dir), "--runs", runs[0], str(tmp_path / "nope"))
     assert rc == 2 and "nope" in err
+
+
+def test_own_tests_in_the_folder_travel_with_it(repo):
+    """A variant's tests in its own folder (variants/<name>/test_<name>.py, as `cp -r` carries them) are its
+    own tests; they win over tests/test_<name>.py."""
+    write(repo, {"variants/b/test_b.py": "def test_b():\n    assert True\n", "tests/test_b.py": "def test_old():\n    pass\n"})
+    rc, out, _ = run(repo, "variants/b")
+    assert rc == 0 and "- own tests: `variants/b/test_b.py` (2 lines)" in out, out

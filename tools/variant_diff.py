@@ -20,7 +20,8 @@ it as a rename.
 
 With --since REV the report also lists every file outside templates/ and variants/ changed
 since REV (the variant's tests, README lines, shared/ ...) with its diff; for a folder
-named without --since it shows the variant's own tests, tests/test_<name>.py. With --runs
+named without --since it shows the variant's own tests, <folder>/test_<name>.py (or
+tests/test_<name>.py). With --runs
 it links a loss-curve picture made by tools/compare_runs.py (imported only then).
 
 Stdlib only (tools/compare_runs.py, with matplotlib, is loaded for --runs alone); deterministic
@@ -83,7 +84,7 @@ its copy).
 report then also lists, under "Other files changed with it", every file outside templates/
 and variants/ changed since REV (the variant's tests, README lines, shared/ ...) with its
 diff, when at least one variant was added or changed. A folder named without --since gets
-its own tests, tests/test_<name>.py, in full under "The variant's own tests". Both are cut
+its own tests, <folder>/test_<name>.py (or tests/test_<name>.py), in full under "The variant's own tests". Both are cut
 at --max-diff-lines in report.md; the HTML pages have all of it.
 
 --runs RUN RUN [...] (the parent's run, then the variant's; needs --out) calls compare() of
@@ -341,15 +342,18 @@ class Report:
     warnings: list[str]
     percent: float | None  # nearest code distance over the code lines of both folders
     within_margin: bool = False  # another folder is nearer by code, but not by more than the margin
-    tests: str | None = None  # tests/test_<name>.py, when it exists
+    tests: str | None = None  # <folder>/test_<name>.py or tests/test_<name>.py, when it exists
 
     @property
     def entries(self) -> list[Entry]:
         return self.code_entries + self.other_entries
 
 
-def tests_path(folder: str) -> str:
-    return f"tests/test_{folder.split('/', 1)[1]}.py"
+def tests_path(folder: str, root: str = ".") -> str:
+    """The variant's own tests: <folder>/test_<name>.py (they travel with a copy), else tests/test_<name>.py."""
+    name = folder.split("/", 1)[1]
+    inside = f"{folder}/test_{name}.py"
+    return inside if os.path.isfile(os.path.join(root, inside)) else f"tests/test_{name}.py"
 
 
 def analyse(repo: Repo, folder: str, margin: float, slack: int) -> Report:
@@ -392,7 +396,7 @@ def analyse(repo: Repo, folder: str, margin: float, slack: int) -> Report:
     if nd is not None:
         both = repo.n_lines(folder) + repo.n_lines(nearest)
         pct = 100.0 * nd / both if both else 0.0
-    tests = tests_path(folder)
+    tests = tests_path(folder, repo.root)
     tests = tests if os.path.isfile(os.path.join(repo.root, tests)) else None
     return Report(folder, declared, nearest, nd, pd, po, base, code_entries, other_entries, warnings, pct,
                   within, tests)
@@ -531,7 +535,7 @@ def render_section(repo: Repo, r: Report, with_diff: bool, max_diff_lines: int, 
         out.append(f"- check: {check_word(r)}")
     tests_lines = read_lines(os.path.join(repo.root, r.tests)) if r.tests else []
     out.append(f"- own tests: `{r.tests}` ({len(tests_lines)} lines)" if r.tests else
-               f"- own tests: none (no `{tests_path(r.folder)}`)")
+               f"- own tests: none (no `{tests_path(r.folder, repo.root)}`)")
     tests_block = []
     if show_tests and r.tests and with_diff:
         tests_block = ["#### The variant's own tests", "",
@@ -855,7 +859,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.since:
             present, notes = changed_since(repo, args.since)
             chosen += present
-            outside = outside_since(repo, args.since, [tests_path(f) for f in sorted(set(chosen))], args.out)
+            outside = outside_since(repo, args.since, [tests_path(f, repo.root) for f in sorted(set(chosen))], args.out)
             if not chosen and outside:
                 notes.append(f"{len(outside)} file(s) outside `templates/` and `variants/` changed since "
                              f"`{args.since}`; they are listed with a variant only")

@@ -23,10 +23,10 @@ Entry points:
   kda_flops_per_token(...)  the matmul FLOPs of `kda` as it computes them.
 
 Special cases are calls of `kda`, not new kernels: Gated DeltaNet (a scalar gate per head
-and token) is g equal across the K channels (tests/test_kda.py checks it against its own
+and token) is g equal across the K channels (variants/kda/test_kda.py checks it against its own
 rule), DeltaNet is g = 0. A variant with a different chunked recurrence copies `kda` (and
 the private helpers it uses, `_pairwise`, `_after`) into its model.py and imports the public
-building blocks, each tested on its own in tests/test_kda.py:
+building blocks, each tested on its own in variants/kda/test_kda.py:
   reshape(x, shape, lead)     a reshape that keeps the sharding of the leading (row, head) axes;
   runs(segment_ids, B, T)     the document index of every token;
   run_masks(doc, chunk_size)  the chunked algorithm's document masks (same, reads, keeps, carries);
@@ -277,7 +277,7 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None, c
     no initial state) inside the model, and compiled a program whose output changed from
     one compilation to the next (garbage up to 1e22). The barrier costs nothing (the scan
     materialises delta anyway). It showed inside a model layer, so the regression test,
-    tests/test_kda.py::test_one_chunk_layer_compiles_to_the_same_result_every_time, compiles a
+    variants/kda/test_kda.py::test_one_chunk_layer_compiles_to_the_same_result_every_time, compiles a
     KDA layer three times and compares; a copy keeps the barrier and gets the same test for its
     own layer.
     """

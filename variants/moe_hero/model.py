@@ -822,7 +822,7 @@ def prefill(params, tokens, cache, cfg: ModelConfig, *, lengths=None):
     `forward` drops the assignments past an expert's slots on a device, and which those are depends
     on the other tokens of the pass on that device (other rows, the padding); generation has no such
     batch, so it drops nothing. It equals `forward` with dispatch="dropless", and `forward` itself
-    whenever that drops nothing (train/dropped = 0); tests/test_moe_hero.py checks both."""
+    whenever that drops nothing (train/dropped = 0); variants/moe_hero/test_moe_hero.py checks both."""
     cfg = dataclasses.replace(cfg, dispatch="dropless")
     B, T = tokens.shape
     lengths = jnp.full((B,), T, jnp.int32) if lengths is None else lengths.astype(jnp.int32)

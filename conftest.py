@@ -1,4 +1,5 @@
-"""Test set-up: 8 fake CPU devices, no wandb, private caches, and a small shared corpus."""
+"""Test set-up for tests/ and the variants' own tests (variants/<name>/test_<name>.py): 8 fake CPU devices, no
+wandb, private caches, a small shared corpus and the shared fixtures."""
 
 import atexit
 import os
@@ -22,8 +23,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
     atexit.register(shutil.rmtree, _xla_cache, ignore_errors=True)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # helpers.py, decode_check.py: for the variants' own tests too
 
 import pytest  # noqa: E402
 

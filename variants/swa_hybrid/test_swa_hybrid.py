@@ -20,14 +20,16 @@ from jax.sharding import PartitionSpec as P
 
 from shared import flops, kernels
 from shared.hf import HFError
-from shared.variant import ROOT, load
+from shared.variant import load
 
 from decode_check import decode_against_forward  # noqa: E402  (tests/decode_check.py)
+
+HERE = os.path.dirname(os.path.abspath(__file__))  # this folder: a copy's tests test the copy
 
 LONG = pytest.mark.integration  # a slow case of a parametrized check (the other cases stay in the fast tier)
 
 A = importlib.import_module("shared.kernels.attention")  # the module, not the function
-model = load(os.path.join(ROOT, "variants", "swa_hybrid", "model.py"))
+model = load(os.path.join(HERE, "model.py"))
 
 
 def mesh42():
@@ -384,7 +386,7 @@ def test_decoding_matches_forward(over):
 # refuse, and the layer pattern it reads.
 
 def hf_module():
-    return load(os.path.join(ROOT, "variants", "swa_hybrid", "hf.py"))
+    return load(os.path.join(HERE, "hf.py"))
 
 
 QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=512, hidden_size=64,

@@ -24,11 +24,13 @@ from jax.sharding import PartitionSpec as P
 
 from decode_check import decode_against_forward
 from shared import data, flops
-from shared.variant import ROOT, load
+from shared.variant import load
+
+HERE = os.path.dirname(os.path.abspath(__file__))  # this folder: a copy's tests test the copy
 
 LONG = pytest.mark.integration  # a slow case of a parametrized check (the other cases stay in the fast tier)
 
-train = load(os.path.join(ROOT, "variants", "moe_hero", "train.py"))
+train = load(os.path.join(HERE, "train.py"))
 model = train.model
 AXES = ("data", "expert", "model")
 

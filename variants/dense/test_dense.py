@@ -6,9 +6,11 @@ import os
 import pytest
 
 from shared import hf as hfio
-from shared.variant import ROOT, load
+from shared.variant import load
 
-hf = load(os.path.join(ROOT, "variants", "dense", "hf.py"))
+HERE = os.path.dirname(os.path.abspath(__file__))  # this folder: a copy's tests test the copy
+
+hf = load(os.path.join(HERE, "hf.py"))
 
 LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=64,
              intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -37,7 +39,7 @@ def test_hf_import_refuses(change, field):
 
 
 def test_init_from_names_the_refused_field(tmp_path):
-    train = load(os.path.join(ROOT, "variants", "dense", "train.py"))
+    train = load(os.path.join(HERE, "train.py"))
     hfio.write_json(str(tmp_path / "config.json"), {**LLAMA, "hidden_act": "relu"})
     with pytest.raises(train.model.ConfigError, match="^init_from: hidden_act: 'relu'"):
         train.main(train.TrainConfig(init_from=f"hf:{tmp_path}", run_dir=str(tmp_path / "run")))

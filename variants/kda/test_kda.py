@@ -18,11 +18,13 @@ from jax.sharding import PartitionSpec as P
 
 from decode_check import decode_against_forward
 from shared.kernels import kda as K
-from shared.variant import ROOT, load
+from shared.variant import load
+
+HERE = os.path.dirname(os.path.abspath(__file__))  # this folder: a copy's tests test the copy
 
 LONG = pytest.mark.integration  # a slow case of a parametrized check (the other cases stay in the fast tier)
 
-model = load(os.path.join(ROOT, "variants", "kda", "model.py"))
+model = load(os.path.join(HERE, "model.py"))
 
 
 def inputs(rng, B, T, H, Dk, Dv, decay=1.0):
