@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import logging
 import os
 import re
@@ -33,9 +34,20 @@ from shared import distributed
 class HelpFormatter(SimpleHelpFormatter):
     """draccus's help layout, with a field's help text taken literally. argparse expands help strings
     with `%` formatting, so a comment such as `(i+1) % global_every` would crash `--help`; the text is
-    escaped here, where help is built, so that no comment has to avoid `%`."""
+    escaped here, where help is built, so that no comment has to avoid `%`. A field without a comment
+    still shows its default."""
+
+    NO_HELP = "\0"  # a field without a comment: its help line is its default
+
+    def _format_action(self, action):
+        if not (action.help or "").strip() and action.option_strings:
+            action = copy.copy(action)
+            action.help = self.NO_HELP
+        return super()._format_action(action)
 
     def _expand_help(self, action):
+        if action.help == self.NO_HELP:
+            return f"(default: {action.default})"
         if action.help and "%" in action.help:
             action = copy.copy(action)
             action.help = action.help.replace("%", "%%")
@@ -82,6 +94,35 @@ def _quote_strings(cls, argv: list[str]) -> list[str]:
     return out
 
 
+def _flag_names(cls, prefix: str = "") -> tuple[set[str], set[str]]:
+    """(every flag name of a config dataclass, dotted; the names of its dict fields, whose keys may follow)."""
+    names, dicts = set(), set()
+    for name, tp in typing.get_type_hints(cls).items():
+        names.add(prefix + name)
+        if dataclasses.is_dataclass(tp):
+            sub, subdicts = _flag_names(tp, f"{prefix}{name}.")
+            names, dicts = names | sub, dicts | subdicts
+        elif typing.get_origin(tp) is dict:
+            dicts.add(prefix + name)
+    return names, dicts
+
+
+def unknown_flag(cls, argv: list[str]) -> str | None:
+    """One line for the first flag that is no field of `cls`, with the closest names, or None."""
+    names, dicts = _flag_names(cls)
+    names |= {"help", "config_path"}
+    for a in argv:
+        if not a.startswith("--"):
+            continue
+        name = a[2:].partition("=")[0]
+        if name in names or any(name.startswith(d + ".") for d in dicts):
+            continue
+        near = difflib.get_close_matches(name, sorted(names), n=3, cutoff=0.6)
+        return (f"unknown flag --{name}" + (f"; did you mean {' or '.join('--' + n for n in near)}?" if near else "")
+                + " (--help lists every flag)")
+    return None
+
+
 def _flag_error(e: BaseException) -> str:
     """One line for a bad command line: a value that does not parse names its flag and the type expected;
     a value the config refuses gives the config's own message (which names the field)."""
@@ -91,6 +132,10 @@ def _flag_error(e: BaseException) -> str:
         e = e.__cause__ or (e.__context__ if not e.__suppress_context__ else None)
     for x in chain:
         m = re.match(r"`([\w.]+)`: (.*)", str(x))
+        if type(x).__name__ == "DecodingError" and m and "of type dict[" in m.group(2):  # a mapping field
+            value = re.search(r"value=(.*?) into field", m.group(2))
+            return (f"--{m.group(1)}: {value.group(1) if value else 'the value'} is not a mapping; give it as YAML, "
+                    f"e.g. --{m.group(1)} '{{a: 0.7, b: 0.3}}'")
         if type(x).__name__ == "DecodingError" and m:
             why = "" if x is chain[-1] else f" ({chain[-1]})"
             return f"--{m.group(1)}: {m.group(2)[0].lower()}{m.group(2)[1:]}{why}"
@@ -129,6 +174,8 @@ def parse(config_cls, variant_dir: str, argv: list[str] | None = None):
     if helping:
         print(f"presets (--preset NAME, from {os.path.relpath(variant_dir)}/presets/): "
               f"{', '.join(known) or 'none'}; no preset = the built-in CPU default\n")
+    if not helping and unknown_flag(config_cls, argv):
+        sys.exit(f"error: {unknown_flag(config_cls, argv)}")
     try:
         parser = ArgumentParser(config_cls, config_path=known.get(preset), formatter_class=HelpFormatter,
                                 exit_on_error=True)

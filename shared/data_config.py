@@ -21,8 +21,9 @@ def _check(ok: bool, name: str, why: str) -> None:
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = "stdlib"       # "stdlib"; text paths/globs (comma-separated); one .npy; a token store (folder
-    #                              or URL); or a mixture name=path@weight,... (see shared/data.py)
+    # "stdlib"; text paths/globs (comma-separated); one .npy; a token store (folder or URL); or a mixture
+    # name=path@weight,... (see shared/data.py)
+    source: str = "stdlib"
     weights: dict[str, float] = field(default_factory=dict)  # mixture weights by source name (YAML form); {} = @w / 1
     eval: str = ""               # extra evaluation sets: name=path,... (token stores or text sources)
     text_field: str = "text"     # field read from each JSONL line / Parquet column

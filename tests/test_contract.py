@@ -44,6 +44,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shared import cli, kernels, memory, weights
+from shared.config import ConfigError
 from shared.variant import ROOT, discover, load
 
 VARIANTS = discover()
@@ -157,10 +158,20 @@ def test_a_bad_flag_names_itself(tmp_path):
     for flags, expected in ((["--steps", "abc"], "--steps: couldn't parse 'abc' into an int"),
                             (["--model.n_layers", "2.5"], "--model.n_layers: couldn't parse '2.5' into an int"),
                             (["--resume", "maybe"], "--resume: couldn't parse 'maybe' into a bool"),
-                            (["--profile_steps", "5:6", "--steps", "3"], "profile_steps: must be A:B")):
+                            (["--profile_steps", "5:6", "--steps", "3"], "profile_steps: must be A:B"),
+                            (["--step", "10"], "error: unknown flag --step; did you mean --steps? (--help lists"),
+                            (["--data.weights", "a=1"], "--data.weights: 'a=1' is not a mapping; give it as YAML")):
         r = subprocess.run([sys.executable, os.path.join(ROOT, "templates/base/train.py"), *flags],
                            capture_output=True, text=True, cwd=tmp_path, timeout=120)
         assert r.returncode != 0 and expected in r.stderr and "Traceback" not in r.stderr, (flags, r.stderr)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_context_axis_larger_than_the_devices_names_itself(variant):
+    """A mesh axis the user set that does not divide the devices is named, not blamed on the data axis."""
+    _, train = modules(variant)
+    with pytest.raises(ConfigError, match=r"^mesh_context: mesh_.*= 8 devices does not divide the 4 devices"):
+        train.make_mesh(train.TrainConfig(mesh_context=8, seq_len=4096), 4)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -174,6 +185,10 @@ def test_help_lists_every_field(variant, capsys):
     assert e.value.code in (0, None), f"{variant}: --help exited with {e.value.code}"
     missing = [dotted for _, _, _, dotted in config_fields(train.TrainConfig) if f"--{dotted} " not in out]
     assert not missing, f"{variant}: --help does not list {missing}"
+    lines = out.splitlines() + [""]
+    bare = [line for line, after in zip(lines, lines[1:])
+            if re.fullmatch(r"  --[\w.]+ [\w\[\],]+\s*", line) and not after.startswith(" " * 20)]
+    assert not bare, f"{variant}: flags with no help and no default: {bare[:5]}"  # each shows at least its default
     assert "presets (--preset NAME" in out
 
 

@@ -36,10 +36,12 @@ model = sibling(__file__, "model")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+# The run's own fields (--run_dir, --resume, ...) come from shared/run.py's RunConfig, the evaluation's
+# (--probes.*, --lm_eval_*) from shared/evals' EvalConfig.
 @dataclass
-class TrainConfig(run.RunConfig, evals.EvalConfig):  # + the run's fields (shared/run.py), evaluation's (shared/evals)
-    model: model.ModelConfig = field(default_factory=model.ModelConfig)
-    data: data.DataConfig = field(default_factory=data.DataConfig)
+class TrainConfig(run.RunConfig, evals.EvalConfig):
+    model: model.ModelConfig = field(default_factory=model.ModelConfig)  # the architecture (model.py)
+    data: data.DataConfig = field(default_factory=data.DataConfig)  # what it trains and evaluates on (shared/data.py)
     seq_len: int = 128  # tokens per row
     batch_size: int = 32  # rows per optimizer step, over all devices
     grad_accum: int = 1  # micro-batches per step (batch_size must divide)
@@ -100,6 +102,8 @@ def make_mesh(cfg: TrainConfig, devices=None):
     of devices, for an AbstractMesh that traces a preset at its real scale on a machine without them."""
     devices = jax.devices() if devices is None else devices
     n, cp, tp = (devices if isinstance(devices, int) else len(devices)), cfg.mesh_context, cfg.mesh_model
+    check(cfg.mesh_data != -1 or n % (cp * tp) == 0, "mesh_context" if cp > 1 else "mesh_model",
+          f"mesh_context {cp} x mesh_model {tp} = {cp * tp} devices does not divide the {n} devices")
     dp = n // (cp * tp) if cfg.mesh_data == -1 else cfg.mesh_data
     check(dp * cp * tp == n, "mesh_data",
           f"mesh {dp} (data) x {cp} (context) x {tp} (model) does not use exactly the {n} devices")

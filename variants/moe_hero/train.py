@@ -40,10 +40,12 @@ model = sibling(__file__, "model")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+# The run's own fields (--run_dir, --resume, ...) come from shared/run.py's RunConfig, the evaluation's
+# (--probes.*, --lm_eval_*) from shared/evals' EvalConfig.
 @dataclass
-class TrainConfig(run.RunConfig, evals.EvalConfig):  # + the run's fields (shared/run.py), evaluation's (shared/evals)
-    model: model.ModelConfig = field(default_factory=model.ModelConfig)
-    data: data.DataConfig = field(default_factory=data.DataConfig)
+class TrainConfig(run.RunConfig, evals.EvalConfig):
+    model: model.ModelConfig = field(default_factory=model.ModelConfig)  # the architecture (model.py)
+    data: data.DataConfig = field(default_factory=data.DataConfig)  # what it trains and evaluates on (shared/data.py)
     seq_len: int = 256  # tokens per row (4 windows of the default model.window = 64)
     batch_size: int = 16  # rows per optimizer step, over all devices
     grad_accum: int = 1  # micro-batches per step (batch_size must divide)
@@ -111,6 +113,9 @@ def make_mesh(cfg: TrainConfig, devices=None):
     devices = jax.devices() if devices is None else devices
     n, ep, cp, tp = ((devices if isinstance(devices, int) else len(devices)), cfg.mesh_expert, cfg.mesh_context,
                      cfg.mesh_model)
+    check(cfg.mesh_data != -1 or n % (ep * cp * tp) == 0, "mesh_expert" if ep > 1 else "mesh_context" if cp > 1 else
+          "mesh_model", f"mesh_expert {ep} x mesh_context {cp} x mesh_model {tp} = {ep * cp * tp} devices does not "
+          f"divide the {n} devices")
     dp = n // (ep * cp * tp) if cfg.mesh_data == -1 else cfg.mesh_data
     check(dp * ep * cp * tp == n, "mesh_data",
           f"mesh {dp} (data) x {ep} (expert) x {cp} (context) x {tp} (model) does not use exactly the {n} devices")
