@@ -7,6 +7,10 @@
 
 A preset is a YAML file of overrides; flags given after it win.
 
+A resume (`--resume true`, `--resume_from`) starts from the run's own settings, its config.json, then
+the preset and flags given now on top; it says which settings the flags changed (the run refuses a
+change a resume cannot make). config.json is also a valid `--config_path` for a new run.
+
 Under a multi-process launcher (SLURM, Kubernetes, a TPU slice, launch/local.py; see
 shared/distributed.py) `parse` also starts JAX's distributed runtime, checks that every
 process parsed the same config, and makes an uncaught exception on process i stop the run
@@ -18,17 +22,21 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import json
 import logging
 import os
+import tempfile
 import re
 import sys
 import typing
 
 import draccus
+import yaml
 from draccus.argparsing import ArgumentParser
 from draccus.help_formatter import SimpleHelpFormatter
 
-from shared import distributed
+from shared import distributed, run
+from shared.errors import StencilError
 
 
 class HelpFormatter(SimpleHelpFormatter):
@@ -142,6 +150,45 @@ def _flag_error(e: BaseException) -> str:
     return str(chain[-1])
 
 
+def known_fields(cls, saved: dict) -> dict:
+    """`saved` (a config.json) without the keys `cls` lacks (an older run's "peak", "kernels"; a removed field)."""
+    hints, out = typing.get_type_hints(cls), {}
+    for k, v in saved.items():
+        if k in hints:
+            out[k] = known_fields(hints[k], v) if dataclasses.is_dataclass(hints[k]) and isinstance(v, dict) else v
+    return out
+
+
+def merge(base: dict, over: dict) -> dict:
+    """`base` with `over` on top, nested dicts merged key by key (a preset over a run's settings)."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def flat(d: dict, cls, prefix: str = "") -> dict:
+    """{dotted field name: value} of a config dict of dataclass `cls` (a dict-valued field stays one value)."""
+    hints, out = typing.get_type_hints(cls), {}
+    for k, v in d.items():
+        nested = k in hints and dataclasses.is_dataclass(hints[k]) and isinstance(v, dict)
+        out |= flat(v, hints[k], f"{prefix}{k}.") if nested else {prefix + k: v}
+    return out
+
+
+def runs_settings(config, variant_dir: str) -> tuple[str, str] | None:
+    """(run directory, its config.json) of the run `config` resumes, or None: a fresh run, a run directory
+    without a config.json (a --resume_from URL starts a new one), or none found (the run says why)."""
+    if not (config.resume or config.resume_from):
+        return None
+    try:
+        run_dir = run.pick_run_dir(config, os.path.basename(os.path.abspath(variant_dir)))
+    except StencilError:
+        return None
+    path = os.path.join(run_dir, "config.json")
+    return (run_dir, path) if os.path.isfile(path) else None
+
+
 def parse(config_cls, variant_dir: str, argv: list[str] | None = None):
     """Parse argv into `config_cls`; exits with one clear line on a bad flag or invalid value."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -180,6 +227,25 @@ def parse(config_cls, variant_dir: str, argv: list[str] | None = None):
         parser = ArgumentParser(config_cls, config_path=known.get(preset), formatter_class=HelpFormatter,
                                 exit_on_error=True)
         config = parser.parse_args(_quote_strings(config_cls, argv))
+        found = runs_settings(config, variant_dir)
+        if found:  # a resume: the run's settings, then the preset and the flags given now
+            run_dir, path = found
+            with open(path) as f:
+                saved = known_fields(config_cls, json.load(f))
+            base = merge(saved, yaml.safe_load(open(known[preset])) or {}) if preset else saved
+            with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+                json.dump({**base, "run_dir": run_dir}, f)
+            try:
+                parser = ArgumentParser(config_cls, config_path=f.name, formatter_class=HelpFormatter,
+                                        exit_on_error=True)
+                config = parser.parse_args(_quote_strings(config_cls, argv))
+            finally:
+                os.unlink(f.name)
+            was, now = flat(saved, config_cls), flat(run.settings(config), config_cls)
+            changed = [f"--{k} {was[k]!r} -> {now[k]!r}" for k in sorted(now)
+                       if k in was and was[k] != now[k] and k != "run_dir"]
+            log.info(f"resume: the settings of {path}" + (f"; changed now: {', '.join(changed)}" if changed else
+                                                          ", none changed"))
     except draccus.utils.ParsingError as e:
         sys.exit(f"error: invalid configuration: {_flag_error(e)}")
     distributed.install_failure_hook()

@@ -41,12 +41,14 @@ def _plain(v):
     return v
 
 
-def write_config(run_dir: str, config: dict) -> str:
+def write_config(run_dir: str, config: dict, name: str = "config.json") -> str:
     """Write `config` as run_dir/config.json (atomically: a temp file, then os.replace).
 
-    tools/compare_runs.py reads batch_size and seq_len from it to put tokens on an axis.
-    A resumed run rewrites it with the config it resumed with."""
-    path = os.path.join(run_dir, "config.json")
+    config.json is the run's settings and nothing else: a valid `--config_path`, and what `--resume` starts
+    from (shared/cli.py). tools/compare_runs.py reads batch_size and seq_len from it to put tokens on an
+    axis. A resumed run rewrites it with the settings it resumed with. What the run adds once it has
+    started (the peak MFU is against, the kernels its step chose) is run.json beside it (`Logger.record`)."""
+    path = os.path.join(run_dir, name)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(config, f, indent=2, default=str)
@@ -111,7 +113,7 @@ class Logger:
         if wandb_mode not in ("auto", "online", "offline", "disabled"):
             raise ValueError(f"wandb mode must be auto, online, offline or disabled, got {wandb_mode!r}")
         os.makedirs(run_dir, exist_ok=True)
-        self.run_dir, self.config = run_dir, dict(config)
+        self.run_dir, self.config, self.facts = run_dir, dict(config), {}
         write_config(run_dir, self.config)
         path = os.path.join(run_dir, "metrics.jsonl")
         drop_rows_after(path, start_step)  # a resumed run redoes the steps after its checkpoint: no row twice
@@ -140,12 +142,12 @@ class Logger:
             self.run.log({k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}, step=step)
 
     def record(self, key: str, value) -> None:
-        """Add `key` to the run's config.json (and wandb's config): facts known only once the run
-        has started, such as which kernel backends its compiled step uses."""
+        """Add `key` to the run's run.json (and wandb's config): facts known only once the run has started,
+        such as which kernel backends its compiled step uses; never to config.json, its settings."""
         if not self.active:
             return
-        self.config[key] = value
-        write_config(self.run_dir, self.config)
+        self.facts[key] = value
+        write_config(self.run_dir, self.facts, "run.json")
         if self.run is not None:
             self.run.config.update({key: value}, allow_val_change=True)
 

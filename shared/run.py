@@ -24,7 +24,7 @@ Each piece is a small function or class of its own, read top to bottom:
                       another data stream, another optimizer, a weight average turned on or off, a checkpoint
                       past the end (one at the end is a complete run: `Run.complete`, nothing trains, exit 0)
   Clock               tokens/s and MFU between log lines, less the time set aside (eval, saves, samples); the peak
-                      MFU is against is named once at the start and kept in config.json ("peak")
+                      MFU is against is named once at the start and kept in run.json ("peak")
   Profiler            a jax.profiler trace of the steps A..B (--profile_steps), with the compiled program's text
   Fetch               the one-step-late metric fetch: the host reads step N's metrics while step N+1 runs, and
                       a non-finite loss or gradient norm stops the run naming the last good checkpoint
@@ -70,6 +70,20 @@ class RunConfig:
 
     def __post_init__(self):
         check_fields(self, RUN_FIELDS)
+
+
+PER_PROCESS = ("resume", "resume_from", "stop_at")  # how one process starts and stops, not settings of the run
+
+
+def settings(cfg) -> dict:
+    """What config.json records of a run's config: every field, with how this process started and stops
+    (PER_PROCESS: --resume, --resume_from, --stop_at) at its default, so that the file is the run's settings, a
+    valid --config_path and what a resume starts from (shared/cli.py)."""
+    out = dataclasses.asdict(cfg)
+    for f in dataclasses.fields(cfg):
+        if f.name in PER_PROCESS:
+            out[f.name] = f.default
+    return out
 
 
 class TrainingError(StencilError, RuntimeError):
@@ -402,7 +416,7 @@ class Run:
         self.flops_per_token, self.schedule = flops_per_token, schedule
         self.peak, self.peak_src = flops.device_peak(cfg.model.compute_dtype)
         self.clock = Clock(cfg.batch_size * cfg.seq_len)
-        self.logger = metrics.Logger(self.run_dir, dataclasses.asdict(cfg), total_steps=self.end, wandb_mode=cfg.wandb,
+        self.logger = metrics.Logger(self.run_dir, settings(cfg), total_steps=self.end, wandb_mode=cfg.wandb,
                                   name=os.path.basename(self.run_dir), start_step=self.start,
                                   process_index=jax.process_index())
         if self.corpus.tokenizer is not None and jax.process_index() == 0 and not os.path.exists(self.tokenizer_file):
@@ -415,7 +429,7 @@ class Run:
         if self.complete:
             self.write(f"this run is complete: {self.checkpoint} is at step {self.end}, its last step (--steps / "
                        f"--stop_at); nothing to train. To train further, raise --steps (or --stop_at)")
-        # the peak MFU is against: said once, and kept in config.json (tools/compare_runs.py compares runs' peaks)
+        # the peak MFU is against: said once, and kept in run.json (tools/compare_runs.py compares runs' peaks)
         self.write(f"MFU is against {self.peak / 1e9:,.1f} GFLOP/s per device: {self.peak_src}")
         self.logger.record("peak", {"per_device": self.peak, "source": self.peak_src})
         if self.checkpoint:
@@ -466,7 +480,7 @@ class Run:
 
     def fetch(self) -> dict:
         """This step's metrics, on the host and checked. After the first step (compiled and run once) the
-        throughput clock starts and the kernels its program chose are recorded in config.json."""
+        throughput clock starts and the kernels its program chose are recorded in run.json."""
         step = self.fetched.pending[0]
         row = self._pull()
         if step == self.start + 1:

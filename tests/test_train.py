@@ -1,6 +1,6 @@
 """The dense train loop as a user relies on it: exact resume, restore on other device
 counts, gradient accumulation, early config errors, clear data errors, NaN handling, the
-kernels a run used in its config.json, and a default warmup that fits any run length."""
+kernels a run used in its run.json, and a default warmup that fits any run length."""
 
 import dataclasses
 import functools
@@ -124,13 +124,15 @@ def test_warmup_default_fits_any_run_length():
             train.TrainConfig(steps=steps, warmup_steps=warmup)
 
 
-def test_config_json_records_the_kernels_the_step_used(tiny_dense, tmp_path, capsys):
-    """Which backend each kernel op took (chosen while the first step compiled) is in the run's config.json; so is
+def test_run_json_records_the_kernels_the_step_used(tiny_dense, tmp_path, capsys):
+    """Which backend each kernel op took (chosen while the first step compiled) is in the run's run.json; so is
     the peak MFU is against, which the log names once at the start (not on every line)."""
     train.main(tiny_dense.config(tmp_path, steps=2, save_every=0, eval_every=2))
     out = capsys.readouterr().out
-    with open(tmp_path / "config.json") as f:
+    with open(tmp_path / "run.json") as f:
         recorded = json.load(f)
+    with open(tmp_path / "config.json") as f:
+        assert not {"peak", "kernels"} & set(json.load(f)), "config.json holds the settings only (a --config_path)"
     peak, src = flops.device_peak()
     assert recorded["peak"] == {"per_device": peak, "source": src} and "fp32 matmul measured at start" in src
     assert [line for line in out.splitlines() if "GFLOP/s" in line] == \
@@ -308,3 +310,48 @@ def test_profile_steps_capture_a_trace_whose_top_ops_name_the_model_scopes(tiny_
     rows = (tmp_path / "ops.csv").read_text().splitlines()
     assert rows[0] == "module,op,scope,self_ns,calls" and len(rows) > 20
     assert top.main([str(tmp_path / "nothing-here")]) == 2
+
+
+class Said(__import__("logging").Handler):
+    """The lines the `stencil` logger says (shared/cli.py's resume line among them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def test_a_resume_takes_the_runs_own_settings_and_names_what_the_flags_change(tiny_dense, tmp_path):
+    """--resume starts from the run's config.json: a run started with --lr 1e-3 and resumed with nothing but
+    --resume and --run_dir goes on at 1e-3 (bit for bit as a run never stopped); flags given now override it and
+    the log names each; config.json holds the run's settings only (not --resume or --stop_at, not the peak) and
+    is a valid --config_path for a new run."""
+    import logging
+
+    from shared import cli
+
+    said, log = Said(), logging.getLogger("stencil")
+    level = log.level
+    log.addHandler(said)
+    log.setLevel(logging.INFO)
+    try:
+        train, rd = tiny_dense.train, tmp_path / "run"
+        parse = functools.partial(cli.parse, train.TrainConfig, train.HERE)
+        train.main(parse(tiny_dense.flags(rd, lr=1e-3, save_every=2) + ["--stop_at", "2"]))
+        cfg = parse(["--resume", "true", "--run_dir", str(rd)])
+        assert (cfg.lr, cfg.steps, cfg.model.n_layers, cfg.stop_at, cfg.resume) == (1e-3, 6, 2, 0, True)
+        assert said.lines[-1] == f"resume: the settings of {rd / 'config.json'}, none changed"
+        resumed = train.main(cfg)
+        straight = train.main(tiny_dense.config(tmp_path / "straight", lr=1e-3, save_every=0))
+        assert resumed["losses"] == {k: v for k, v in straight["losses"].items() if k > 2}
+        cfg = parse(["--resume", "true", "--run_dir", str(rd), "--lr", "2e-3", "--steps", "8"])
+        assert cfg.lr == 2e-3 and said.lines[-1].endswith("; changed now: --lr 0.001 -> 0.002, --steps 6 -> 8")
+        saved = json.loads((rd / "config.json").read_text())
+        assert (saved["resume"], saved["stop_at"], "peak" in saved) == (False, 0, False)
+        new = parse(["--config_path", str(rd / "config.json"), "--run_dir", str(tmp_path / "new")])
+        assert run.settings(new) == {**saved, "run_dir": str(tmp_path / "new")}
+    finally:
+        log.removeHandler(said)
+        log.setLevel(level)

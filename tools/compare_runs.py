@@ -13,7 +13,7 @@ resume a step can appear twice, and the last row for a step wins) this writes:
                     stands for every logged metric it matches
     OUT/summary.md  one row per run: last step, final train loss, final and best val loss,
                     median tokens/s (and as a ratio to the first run's) and MFU with the peak it
-                    is against (config.json's "peak"), total tokens, parameter count when known;
+                    is against (run.json's "peak"), total tokens, parameter count when known;
                     a note when the runs' peaks differ (on CPU each run measures its own: compare
                     tokens/s then); and for each --metric, every run's final and lowest value
 
@@ -87,7 +87,7 @@ class Run:
     config_source: str | None  # the file batch_size/seq_len came from
     params: int | None  # parameter count from the newest checkpoint's leaves
     rows: list[dict] = dataclasses.field(default_factory=list)  # every logged row, by step (names as logged now)
-    peak: dict | None = None  # config.json's "peak": the FLOP/s per device its MFU is against, and their source
+    peak: dict | None = None  # run.json's "peak": the FLOP/s per device its MFU is against, and their source
 
     def tokens(self, steps: list[int]) -> list[int] | None:
         return None if self.tokens_per_step is None else [s * self.tokens_per_step for s in steps]
@@ -182,7 +182,8 @@ def load_run(path: str, label: str) -> Run:
     if os.path.isfile(cpath):
         config = _read_json(cpath)
         tokens_per_step, source = _tokens_per_step(config), cpath
-        peak = config.get("peak") if isinstance(config.get("peak"), dict) else None
+        facts = _read_json(os.path.join(path, "run.json")) if os.path.isfile(os.path.join(path, "run.json")) else config
+        peak = facts.get("peak") if isinstance(facts.get("peak"), dict) else None  # config.json's in older runs
     elif meta is not None and isinstance(meta.get("config"), dict):
         tokens_per_step, source = _tokens_per_step(meta["config"]), meta_path
     if tokens_per_step is None:
