@@ -494,7 +494,8 @@ class Run:
 
     def log(self, step: int, row: dict, shown: dict) -> None:
         """tokens/s and MFU since the last line join the row, which goes to metrics.jsonl and wandb; `shown`
-        ({metric: (label, format)}) picks what the progress bar and the log line show."""
+        ({metric: (label, format)}) picks what the progress bar and the log line show; the rest of an
+        evaluation (eval/*) follows on one line of its own."""
         tok_s = self.clock.tokens_per_second(step)
         if tok_s is not None:
             row |= {"throughput/tokens_per_second": tok_s,
@@ -505,6 +506,9 @@ class Run:
         text = {label: format(row[k], f) for k, (label, f) in shown.items() if k in row}
         self.logger.progress(step, **text)
         self.write(f"step {step:6d}  " + "  ".join(f"{k} {v}" for k, v in text.items()))
+        more = {k[len("eval/"):]: v for k, v in row.items() if k.startswith("eval/") and k not in shown}
+        if more:  # the rest of an evaluation, on one line: bpb, each source and set, the probes, lm-eval
+            self.write("       eval  " + "  ".join(f"{k} {v:.4g}" for k, v in sorted(more.items())))
 
     def save(self, step: int, state) -> str:
         """Save asynchronously (the loop waits for the host copy only) with what a resume needs."""

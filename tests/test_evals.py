@@ -219,7 +219,8 @@ def test_command_runs_the_offline_tasks(lm_eval_model, dense_run, tmp_path):
 
 
 @pytest.mark.integration  # lm-eval in the train loop (TaskManager, three tasks at every evaluation)
-def test_lm_eval_in_the_loop(lm_eval_model, tiny_dense, tmp_path):
+def test_lm_eval_in_the_loop(lm_eval_model, tiny_dense, tmp_path, capsys):
+    """lm-eval's metrics on the eval cadence, in metrics.jsonl and on the console's eval line (metrics only)."""
     out = tiny_dense.train.main(tiny_dense.config(tmp_path / "run", steps=2, eval_every=2, save_every=0,
                                                   lm_eval_tasks="stencil_mc,stencil_ppl", lm_eval_limit=4,
                                                   lm_eval_include=TASKS))
@@ -227,6 +228,9 @@ def test_lm_eval_in_the_loop(lm_eval_model, tiny_dense, tmp_path):
     last = [r for r in rows if "eval/loss" in r][-1]
     assert 0 <= last["eval/lm_eval/stencil_mc/acc"] <= 1
     assert last["eval/lm_eval/stencil_ppl/bits_per_byte"] > 0
+    assert not [k for k in last if k.endswith("sample_len")], "lm-eval's sample count is no metric"
+    shown = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("eval ")]
+    assert len(shown) == 1 and "lm_eval/stencil_mc/acc " in shown[0] and " bpb " in f" {shown[0]} ", shown
 
 
 def _samples(results, task):

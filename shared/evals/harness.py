@@ -246,7 +246,7 @@ def metrics_of(results: dict) -> dict:
     for task, res in results["results"].items():
         for key, v in res.items():
             metric = key.split(",")[0]
-            if metric.endswith("_stderr") or isinstance(v, bool) or not isinstance(v, (int, float)):
+            if metric.endswith("_stderr") or metric == "sample_len" or isinstance(v, bool) or not isinstance(v, (int, float)):
                 continue
             row[f"eval/lm_eval/{task}/{metric}"] = float(v)
     return row
