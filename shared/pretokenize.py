@@ -5,7 +5,7 @@
     python -m shared.pretokenize 'corpus/*.parquet' --out gs://bucket/web --tokenizer tok.json --shard 3/16
     python variants/dense/train.py --data.source /data/web
 
-Inputs: plain text and Markdown (one document per file), JSONL (one per line, `--text_field`),
+Inputs: plain text, Markdown and Python source (one document per file), JSONL (one per line, `--text_field`),
 JSONL compressed with gzip (.jsonl.gz) or zstd (.jsonl.zst), Parquet (a text column). Each input
 file becomes one shard, numbered by its place in the sorted list of inputs (split very large files
 beforehand: a shard is tokenized in one worker's memory).
@@ -250,7 +250,7 @@ def shlex_quote(s: str) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m shared.pretokenize", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("sources", nargs="+", help="input files, folders or globs (.txt .md .jsonl .jsonl.gz .jsonl.zst "
+    ap.add_argument("sources", nargs="+", help="input files, folders or globs (.txt .md .py .jsonl .jsonl.gz .jsonl.zst "
                                                ".parquet)")
     ap.add_argument("--out", required=True, help="the token store: a folder, or a file:// gs:// s3:// URL")
     ap.add_argument("--tokenizer", default="", help="a tokenizers tokenizer.json (copied into the store)")

@@ -168,6 +168,9 @@ def test_cli(two_runs, tmp_path):
     assert corrupt.stderr.startswith(f"error: {bad}/metrics.jsonl: line 2 is not valid JSON")
     assert len(corrupt.stderr.splitlines()) == 1 and not (tmp_path / "o2").exists()
 
+    again = cli(*two_runs, "--out", str(tmp_path / "o"))  # as generate, lm-eval and export: nothing overwritten
+    assert again.returncode == 2 and "--out" in again.stderr and "nothing is overwritten" in again.stderr
+
     labels = cli(*two_runs, "--out", str(tmp_path / "o3"), "--labels", "one")
     assert labels.returncode == 2 and labels.stderr.startswith("error: --labels")
 

@@ -483,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="compare_runs.py", description=__doc__.split("\n\n")[0],
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", metavar="RUN", help="run directory holding metrics.jsonl (from a train.py)")
-    ap.add_argument("--out", required=True, metavar="DIR", help="folder for loss.png and summary.md (created)")
+    ap.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) folder for loss.png and summary.md")
     ap.add_argument("--labels", metavar="A,B,...", help="comma-separated legend labels, one per RUN")
     ap.add_argument("--metric", action="append", default=[], metavar="NAME",
                     help="also plot this logged metric (e.g. eval/bpb, or a pattern: 'eval/*/bpb') into "
@@ -495,6 +495,10 @@ def main(argv: list[str] | None = None) -> int:
         if len(labels) != len(args.runs):
             print(f"error: --labels: {len(labels)} labels for {len(args.runs)} runs", file=sys.stderr)
             return 2
+    if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
+        print(f"error: --out {args.out} exists and is not an empty folder; choose a new one (nothing is overwritten)",
+              file=sys.stderr)
+        return 2
     try:
         result = compare(args.runs, args.out, labels, args.metric)
     except RunError as e:
