@@ -10,10 +10,11 @@ this shape, or it has not been measured to pay); a backend named explicitly igno
 refuses raises `KernelError` (or the op's subclass) saying why, with the reason in its
 `refusal` attribute; `auto` takes the first backend in the registry's order that is
 available, does not refuse and is not skipped. There is never a silent fallback from a
-named backend. Every choice, named or `auto`, is logged once per (op, backend, call shape)
-(logger `stencil.kernels`) and kept in a process-wide record, `choices()`:
-{op: {backend: [call shapes]}}. Choices happen while a program is traced, so the train
-loop writes the record into the run's config.json after its first step has compiled.
+named backend. Every choice, named or `auto`, is kept in a process-wide record, `choices()`:
+{op: {backend: [call shapes]}}, and logged (logger `stencil.kernels`) once per (op, backend, how
+it was chosen, the backends `auto` skipped), not per call shape. Choices happen while a program
+is traced, so the train loop writes the record into the run's run.json after its first step has
+compiled.
 
 `usable(registry, call)` lists the backends that are available here and do not refuse a
 call: what can run it, as opposed to `available` (can run something here). Tests that run
@@ -128,14 +129,18 @@ def choices() -> dict[str, dict[str, list[str]]]:
     return {op: {b: list(keys) for b, keys in per.items()} for op, per in _choices.items()}
 
 
-def _note(op: str, name: str, key: str, how: str) -> None:
-    """Record and log a choice, once per (op, backend, call shape)."""
+def _note(op: str, name: str, key: str, how: str, skipped: tuple = ()) -> None:
+    """Record a choice once per (op, backend, call shape) (`choices()`, a run's run.json), and log it once per
+    (op, backend, how it was chosen, the backends `auto` skipped): another shape chosen alike is not said again."""
     k = (op, name, key)
     if k in _logged:
         return
     _logged.add(k)
     _choices.setdefault(op, {}).setdefault(name, []).append(key)
-    log.info("%s backend %s for %s (%s)", op, name, key, how)
+    said = ("said", op, name, how.split(";")[0], skipped)
+    if said not in _logged:
+        _logged.add(said)
+        log.info("%s backend %s for %s (%s)", op, name, key, how)
 
 
 def choose(op: str, registry: dict, call, backend: str, *, error=KernelError, key=None) -> Backend:
@@ -158,7 +163,7 @@ def choose(op: str, registry: dict, call, backend: str, *, error=KernelError, ke
         why = b.unavailable() or b.refuses(call) or b.auto_skip(call)
         if why is None:
             note = "; ".join(f"{n}: {w}" for n, w in skipped)
-            _note(op, b.name, key, "auto" + (f"; skipped {note}" if note else ""))
+            _note(op, b.name, key, "auto" + (f"; skipped {note}" if note else ""), tuple(n for n, _ in skipped))
             return b
         skipped.append((b.name, why))
     raise error(f"no {op} backend can run this call: {skipped}")
