@@ -411,14 +411,15 @@ class Run:
     def begin(self, n_params: int, flops_per_token: float, schedule) -> None:
         """Start logging (metrics.jsonl, wandb, the bar), the saver, the stop signals and the watchdog, and write
         the run's first line. `schedule`: step -> learning rate, the optimizer's (its value after each saved step
-        is recorded with the checkpoint, and a resume whose schedule differs there says so)."""
-        cfg, mesh = self.cfg, self.mesh
+        is recorded with the checkpoint, and a resume whose schedule differs there says so). A run that is
+        complete already (a no-op resume) says so and does nothing else: no peak measured, no wandb run opened."""
+        cfg, mesh, quiet = self.cfg, self.mesh, self.complete
         self.flops_per_token, self.schedule = flops_per_token, schedule
-        self.peak, self.peak_src = flops.device_peak(cfg.model.compute_dtype)
+        self.peak, self.peak_src = (None, "") if quiet else flops.device_peak(cfg.model.compute_dtype)
         self.clock = Clock(cfg.batch_size * cfg.seq_len)
-        self.logger = metrics.Logger(self.run_dir, settings(cfg), total_steps=self.end, wandb_mode=cfg.wandb,
-                                  name=os.path.basename(self.run_dir), start_step=self.start,
-                                  process_index=jax.process_index())
+        self.logger = metrics.Logger(self.run_dir, settings(cfg), total_steps=self.end,
+                                     wandb_mode="disabled" if quiet else cfg.wandb, name=os.path.basename(self.run_dir),
+                                     start_step=self.start, process_index=jax.process_index(), progress=not quiet)
         if self.corpus.tokenizer is not None and jax.process_index() == 0 and not os.path.exists(self.tokenizer_file):
             self.corpus.tokenizer.save(self.tokenizer_file)  # never over the run's own
         self.write(f"{self.variant}: {n_params / 1e6:.2f}M params, {flops_per_token / 1e6:.1f} MFLOP/token, mesh "
@@ -429,9 +430,9 @@ class Run:
         if self.complete:
             self.write(f"this run is complete: {self.checkpoint} is at step {self.end}, its last step (--steps / "
                        f"--stop_at); nothing to train. To train further, raise --steps (or --stop_at)")
-        # the peak MFU is against: said once, and kept in run.json (tools/compare_runs.py compares runs' peaks)
-        self.write(f"MFU is against {self.peak / 1e9:,.1f} GFLOP/s per device: {self.peak_src}")
-        self.logger.record("peak", {"per_device": self.peak, "source": self.peak_src})
+        if not quiet:  # the peak MFU is against: said once, kept in run.json (tools/compare_runs.py compares peaks)
+            self.write(f"MFU is against {self.peak / 1e9:,.1f} GFLOP/s per device: {self.peak_src}")
+            self.logger.record("peak", {"per_device": self.peak, "source": self.peak_src})
         if self.checkpoint:
             self.notes.append(schedule_change(cfg, self.meta, float(schedule(self.start)), self.start))
         for note in filter(None, self.notes):

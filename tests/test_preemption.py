@@ -156,6 +156,7 @@ def test_resume_refuses_what_would_change_the_data(small_corpus, tiny_dense, tmp
     text = "".join(capsys.readouterr())
     assert again["already_complete"] and again["losses"] == {} and again["step"] == 3
     assert f"this run is complete: {ck / 'step_00000003'} is at step 3, its last step" in text, text
+    assert "MFU is against" not in text  # nothing else: no peak measured (nor a wandb run opened)
     assert (f"resume: ignored {ck / 'step_00000005'}: 1 files, but no metadata.json (its commit record): a save "
             "that did not finish") in text, text
     for x, y in zip(jax.tree.leaves(again["state"]), jax.tree.leaves(first["state"])):
