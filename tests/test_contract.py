@@ -913,3 +913,19 @@ def test_contract_catches_a_broken_auxiliary_loss(kind, tmp_path):
     r = TinyRun(broken_copy(tmp_path, kind))
     with pytest.raises(AssertionError, match="a term of the loss|every term of loss_fn"):
         check(r)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_config_json_is_a_config_path(variant, tmp_path):
+    """What a run writes as config.json (run.settings) parses back as --config_path into the same config, for
+    every folder's fields (a resume starts from it: shared/cli.py)."""
+    import json
+
+    from shared import run
+
+    _, train = modules(variant)
+    cfg = train.TrainConfig(lr=1e-3, steps=7, run_dir=str(tmp_path / "r"), wandb="disabled")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(run.settings(cfg), default=str))
+    again = cli.parse(train.TrainConfig, os.path.join(ROOT, variant), ["--config_path", str(path)])
+    assert run.settings(again) == run.settings(cfg)
