@@ -3,6 +3,7 @@ wandb, private caches, a small shared corpus and the shared fixtures."""
 
 import atexit
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -137,6 +138,37 @@ def gcs():
 
 # ---------------------------------------------------------------- parallel workers (pytest-xdist)
 
+def pytest_addoption(parser):
+    parser.addoption("--folder", action="append", default=[], metavar="FOLDER",
+                     help="only the checks of this folder (variants/<name> or templates/base; repeatable): every test "
+                          "with the folder as a parameter (the contract, the loop, Hugging Face, the docs rules) and "
+                          "the tests in the folder itself. tools/check_variant.py runs them all and prints a table.")
+
+
+def folders_of(item) -> set[str]:
+    """The folders a test checks: its parameters that name a folder (`variants/<name>`, `templates/<name>`)
+    and the folder its file lives in, if that is one."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    found = {"/".join(v.split("/")[:2]) for v in params.values()
+             if isinstance(v, str) and re.fullmatch(r"(variants|templates)/\w+(/[^/]+)*", v)}
+    rel = os.path.relpath(str(item.path), ROOT).replace(os.sep, "/")
+    if re.match(r"(variants|templates)/\w+/", rel):
+        found.add("/".join(rel.split("/")[:2]))
+    return found
+
+
+def _select_folders(config, items):
+    wanted = {f.strip("/").replace(os.sep, "/") for f in config.getoption("folder")}
+    if not wanted:
+        return
+    for f in wanted:
+        if not os.path.isfile(os.path.join(ROOT, f, "model.py")):
+            raise pytest.UsageError(f"--folder {f}: no model.py there (a folder is variants/<name> or templates/base)")
+    keep = [i for i in items if folders_of(i) & wanted]
+    config.hook.pytest_deselected(items=[i for i in items if not folders_of(i) & wanted])
+    items[:] = keep
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Under `-n 2` (docs/testing.md) the contract's checks of one folder share one compiled TinyRun
@@ -144,7 +176,8 @@ def pytest_collection_modifyitems(config, items):
     xdist group of its folder (`--dist loadgroup`), and the folders spread over the workers. The
     modules that start servers or several processes (SLURM, object stores, launches, kill loops) run
     on one worker each, so their servers start once and their timed waits are not starved by a
-    second multi-process test."""
+    second multi-process test. With --folder, only that folder's checks are kept."""
+    _select_folders(config, items)
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         module = item.module.__name__.rsplit(".", 1)[-1]

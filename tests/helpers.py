@@ -18,6 +18,27 @@ from shared.variant import ROOT
 DENSE = os.path.join(ROOT, "variants", "dense", "train.py")
 
 
+FAST_CHECKS = ("loop", "context")  # the long per-folder checks a folder's FAST_TIER may name
+
+
+def fast_tier(folder: str) -> tuple:
+    """The long checks `folder`'s train.py keeps in the fast tier (its FAST_TIER, read with ast, never
+    imported; none when it has no FAST_TIER): "loop" (tests/test_loop.py, the loop with every feature on),
+    "context" (tests/test_contract.py, the row split over context 2). The others run in the integration tier,
+    so a copy adds to the fast tier only what its parent kept there, and a new folder nothing."""
+    import ast
+
+    tree = ast.parse(open(os.path.join(ROOT, folder, "train.py")).read())
+    for node in tree.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign) else None)
+        if isinstance(target, ast.Name) and target.id == "FAST_TIER":
+            value = ast.literal_eval(node.value)
+            unknown = set(value) - set(FAST_CHECKS)
+            assert not unknown, f"{folder}/train.py: FAST_TIER names {sorted(unknown)}; the long checks are {FAST_CHECKS}"
+            return tuple(value)
+    return ()
+
+
 def text(doc: str) -> str:
     """A file of the repository (a doc), by its path from the root."""
     with open(os.path.join(ROOT, doc)) as f:

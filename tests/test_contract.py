@@ -47,6 +47,8 @@ from shared import cli, kernels, memory, weights
 from shared.config import ConfigError
 from shared.variant import ROOT, discover, load
 
+from helpers import fast_tier  # noqa: E402  (tests/helpers.py)
+
 VARIANTS = discover()
 
 
@@ -736,16 +738,16 @@ def check_context_parallel(r: TinyRun, context: int):
             f"from the whole row's"))
 
 
-CONTEXT_SLOW = ("variants/kda", "variants/moe_hero")  # 50-60 s each on 2 cores: context 2 with the integration tier
 LONG_CONTEXT = pytest.mark.integration(reason="a long compile: the model's gradients at two more meshes")
 
 
-@pytest.mark.parametrize("variant,context", [pytest.param(v, c, marks=LONG_CONTEXT) if c == 4 or v in CONTEXT_SLOW
-                                             else (v, c) for v in VARIANTS for c in (2, 4)])
+@pytest.mark.parametrize("context,variant", [pytest.param(c, v, marks=LONG_CONTEXT)
+                                             if c == 4 or "context" not in fast_tier(v) else (c, v)
+                                             for v in VARIANTS for c in (2, 4)])  # ids end in the folder
 def test_context_parallel_is_exact(variant, context):
-    """Context 2 for the template, dense and swa_hybrid in the fast tier (kda's and moe_hero's mixers with the
-    row split are checked there on their own, tests/test_context.py); every folder at 2 and 4 in the
-    integration tier."""
+    """Context 2 in the fast tier for the folders whose train.py keeps "context" in FAST_TIER
+    (tests/helpers.fast_tier; the mixers kda and moe_hero split are checked there on their own,
+    tests/test_context.py); every folder at 2 and 4 in the integration tier."""
     check_context_parallel(tiny_run(variant), context)
 
 

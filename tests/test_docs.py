@@ -17,7 +17,7 @@ import pytest
 
 from shared.variant import ROOT, discover, load
 
-from helpers import spans, text  # noqa: E402  (tests/helpers.py)
+from helpers import fenced, spans, text  # noqa: E402  (tests/helpers.py)
 
 DOCS = sorted({os.path.relpath(p, ROOT) for pattern in ("README.md", "AGENTS.md", "docs/**/*.md", "skills/**/*.md",
                                                          "variants/*/README.md", "templates/*/README.md")
@@ -227,6 +227,18 @@ def test_ci_time_limits_are_the_ones_the_docs_state():
     assert not re.search(r"\d+ min", text("pyproject.toml")), "pyproject.toml states a time: say it in docs/testing.md"
 
 
+def test_ci_runs_the_readmes_test_command():
+    """.ci/run installs what the README's test command installs and runs its two pytest commands, so the
+    README's command is the whole suite with nothing skipped for a missing package."""
+    cmd = next(line for line in fenced("README.md") if "python -m pytest -q -m integration" in line)
+    ci = text(".ci/run")
+    for part in cmd.split(" && "):
+        if part.startswith("pip install"):
+            assert part.replace("pip install", "pip install -q", 1) in ci, f".ci/run does not run the README's `{part}`"
+        elif part.startswith(("export ", "python -m pytest")):
+            assert part in ci, f".ci/run does not run the README's `{part}`"
+
+
 # ---------------------------------------------------------------- what the docs promise about inputs and exports
 
 def test_the_text_inputs_the_docs_list_are_the_accepted_ones():
@@ -243,22 +255,81 @@ def test_the_text_inputs_the_docs_list_are_the_accepted_ones():
     assert sorted(expanded) == sorted(TEXT_EXTS), listed
 
 
-def test_a_variant_without_hf_py_says_so_in_its_readme():
-    """A variant folder with no hf.py has no Hugging Face export: its README says so and why (a section
-    that names the closest transformers class), and docs/huggingface.md's table has its row."""
-    table = text("docs/huggingface.md")
+@pytest.mark.parametrize("folder", [f for f in discover() if f.startswith("variants/")])
+def test_a_variant_without_hf_py_says_so_in_its_readme(folder):
+    """The one rule for a folder with no hf.py (skills/new-variant, step 8): its README has a `## Hugging Face`
+    section that says "no Hugging Face export", why, names the closest transformers class (`...ForCausalLM`)
+    and links docs/huggingface.md. The rule is the folder's alone: a copy on a branch passes it without
+    touching the top-level docs (their rows come when the variant is proposed for main, step 9)."""
+    if os.path.isfile(os.path.join(ROOT, folder, "hf.py")):
+        pytest.skip(f"{folder} has an hf.py (tests/test_hf.py checks it)")
+    readme = os.path.join(folder, "README.md")
+    assert os.path.isfile(os.path.join(ROOT, readme)), f"{folder}: no README.md (its '## Hugging Face' section says why there is no hf.py)"
+    section = re.search(r"\n## Hugging Face\n(.*?)(\n## |\Z)", text(readme), re.S)
+    assert section, f"{readme}: no '## Hugging Face' section (the folder has no hf.py: say why)"
+    body = section.group(1)
+    for what, ok in (("the words 'no Hugging Face export'", "no Hugging Face export" in body),
+                     ("the closest transformers class as `<Name>ForCausalLM`", re.search(r"`\w+ForCausalLM`", body)),
+                     ("a link to docs/huggingface.md", "docs/huggingface.md" in body)):
+        assert ok, f"{readme}: its '## Hugging Face' section lacks {what}"
+
+
+FIGURE = re.compile(r"tokens/s|val(?:idation)? loss \d")  # a figure of a run: measured on some code, at some moment
+MEASURED = re.compile(r"measured at `?[0-9a-f]{7}")
+
+
+@pytest.mark.parametrize("folder", [f for f in discover() if f.startswith("variants/")])
+def test_a_folders_figures_name_their_command_and_commit(folder):
+    """A figure of a run in a folder's README (tokens/s, a val loss) shares its paragraph (or table) with the
+    command that produced it and the commit it was measured at (`measured at <sha>`): a copy inherits its
+    parent's figures, and a figure without both cannot be re-measured or told stale (skills/new-variant, step 9)."""
+    readme = os.path.join(folder, "README.md")
+    if not os.path.isfile(os.path.join(ROOT, readme)):
+        pytest.skip(f"{folder} has no README.md")
+    bad = [para.strip()[:160] for para in re.split(r"\n\s*\n", text(readme))
+           if FIGURE.search(para) and not para.lstrip().startswith("```")
+           and not (re.search(r"`python [^`]+`", para) and MEASURED.search(para))]
+    assert not bad, f"{readme}: figures without the command (`python ...`) and `measured at <commit>` beside them: {bad}"
+
+
+@pytest.mark.parametrize("folder", [f for f in discover() if f != "templates/base"])
+def test_a_folders_docstrings_name_its_parent_and_leave_the_diff_to_the_tool(folder):
+    """A copy's files say which folder they were copied from (the parent its model.py declares, not the parent's
+    parent a copied line names) and make no claim of which lines differ (`only ... differ` goes stale with the
+    next edit; `python tools/variant_diff.py <folder>` shows it)."""
+    import ast
+
+    parent = re.search(r'^COPIED_FROM\s*=\s*"([^"]+)"', text(f"{folder}/model.py"), re.M)
+    assert parent, f"{folder}/model.py: no COPIED_FROM"
     bad = []
-    for folder in [f for f in discover() if f.startswith("variants/")]:
-        if os.path.isfile(os.path.join(ROOT, folder, "hf.py")):
+    for name in ("model.py", "train.py", "hf.py", "README.md"):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(os.path.join(ROOT, path)):
             continue
-        name, readme = os.path.basename(folder), os.path.join(folder, "README.md")
-        section = re.search(r"\n## Hugging Face\n(.*?)(\n## |\Z)", text(readme), re.S) \
-            if os.path.isfile(os.path.join(ROOT, readme)) else None
-        if not (section and "no Hugging Face export" in section.group(1)
-                and re.search(r"`\w+ForCausalLM`", section.group(1)) and "docs/huggingface.md" in section.group(1)):
-            bad.append(f"{readme}: no '## Hugging Face' section saying there is no Hugging Face export and why")
-        if f"| `{name}` | none |" not in table:
-            bad.append(f"docs/huggingface.md: no row for {name}")
+        body = text(path) if name.endswith(".md") else (ast.get_docstring(ast.parse(text(path))) or "")
+        head = "\n\n".join(re.split(r"\n\s*\n", body)[:3])  # the title and the first paragraphs
+        for named in re.findall(r"Copied from `?((?:variants|templates)/\w+)", head):
+            if named != parent.group(1):
+                bad.append(f"{path}: 'Copied from {named}', but model.py's COPIED_FROM is {parent.group(1)}")
+        if re.search(r"\bonly\b[^.]{0,80}\bdiffers?\b", body):
+            bad.append(f"{path}: says which lines differ from the parent; say instead that "
+                       f"`python tools/variant_diff.py {folder}` shows what differs")
+    assert not bad, bad
+
+
+def test_the_top_level_tables_name_real_folders():
+    """README.md's tour and docs/huggingface.md's table: every folder they name exists, every variant in
+    docs/huggingface.md's table without an hf.py says `none`, and one with an hf.py names its class."""
+    bad = []
+    for row in re.findall(r"^\| `(variants/\w+|templates/\w+)/` \|", text("README.md"), re.M):
+        if not os.path.isfile(os.path.join(ROOT, row, "model.py")):
+            bad.append(f"README.md's tour: {row} does not exist")
+    for name, cls in re.findall(r"^\| `(\w+)` \| (`\w+`|none) \|", text("docs/huggingface.md"), re.M):
+        folder = os.path.join(ROOT, "variants", name)
+        if not os.path.isfile(os.path.join(folder, "model.py")):
+            bad.append(f"docs/huggingface.md: variants/{name} does not exist")
+        elif os.path.isfile(os.path.join(folder, "hf.py")) == (cls == "none"):
+            bad.append(f"docs/huggingface.md: {name} says {cls}, but the folder {'has' if cls == 'none' else 'has no'} hf.py")
     assert not bad, bad
 
 

@@ -153,7 +153,7 @@ def test_without_lm_eval_the_command_says_what_to_install(capsys):
 
 @pytest.fixture(scope="module")
 def lm_eval_model():
-    pytest.importorskip("lm_eval")
+    pytest.importorskip("lm_eval", reason="the eval extra: pip install -e '.[eval]'")
     from shared import lm_eval_model
 
     return lm_eval_model
@@ -239,8 +239,8 @@ def _samples(results, task):
 
 @pytest.mark.integration  # Hugging Face: lm-eval's own `hf` model (transformers on torch) on the exported run
 def test_hf_export_gives_the_same_loglikelihoods_as_the_adapter(lm_eval_model, dense_run, tmp_path):
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
+    pytest.importorskip("torch", reason="lm-eval's hf model needs a torch (README, 'Set up and run': torch first)")
+    pytest.importorskip("transformers", reason="lm-eval's hf model: pip install -e '.[eval]' 'lm-eval[hf]>=0.4.9,<0.5'")
     from lm_eval.models.huggingface import HFLM
 
     hf = load(os.path.join(ROOT, "variants", "dense", "hf.py"))

@@ -420,7 +420,7 @@ def test_pallas_attention_lowers_for_cuda():
 
 @pytest.fixture
 def torch():
-    return pytest.importorskip("torch", reason="torch is not installed (the `kernels` extra brings it)")
+    return pytest.importorskip("torch", reason="torch is not installed: pip install torch==2.13.0 (a CPU build), then -e '.[kernels]' (README, 'Set up and run')")
 
 
 def _torch_attention(torch, q, k, v, scale, causal, softcap, window_left):

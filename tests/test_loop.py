@@ -13,11 +13,15 @@ per source, a probe and a sample on their cadences (FEATURES):
 - a non-finite loss stops the run without saving, naming the last good checkpoint (the plain tiny run:
   every feature off);
 - a resume that would change the data (seq_len, the corpus) or the optimizer is refused before anything runs.
-The straight run is the fast tier's test of every folder's loop with the features together; the stop, the
-resume, the non-finite loss and the refusals (four more runs of each loop) are in the integration tier,
-and test_train.py checks them on dense in the fast tier. Features meeting in the rarer ways (a Hugging
-Face start, attention backends auto picks at longer rows, the number of visible devices) are
-tests/test_features.py's; every documented training command runs in tests/test_doc_commands.py.
+The straight run is the fast tier's test of a folder's loop with the features together, for the folders
+whose train.py keeps "loop" in FAST_TIER (tests/helpers.fast_tier; docs/testing.md); the stop, the resume,
+the non-finite loss and the refusals (four more runs of each loop, after a straight run of its own) are in
+the integration tier,
+and test_train.py checks them on dense in the fast tier. Features meeting in the rarer ways are tested
+where they live: a Hugging Face start with the context split, tensor parallelism, micro-batches, a probe
+and the sample in tests/test_hf.py (test_import_a_transformers_model_and_train_from_it), every attention
+backend against auto's in tests/test_contract.py, a restore onto other device counts in test_train.py;
+every documented training command runs in tests/test_doc_commands.py.
 
 The harness's own behaviour in depth (locks, kill -9, the watchdog, object stores, every refusal) is
 tested once, on dense, in test_train.py, test_preemption.py and test_objstore.py."""
@@ -36,7 +40,7 @@ from shared import checkpoint, data, run
 from shared.evals import probes
 from shared.variant import ROOT, discover, load
 
-from helpers import metric_rows, wrap_step  # noqa: E402  (tests/helpers.py)
+from helpers import fast_tier, metric_rows, wrap_step  # noqa: E402  (tests/helpers.py)
 
 VARIANTS = discover()
 
@@ -75,8 +79,11 @@ def features(train, corpus, *, context=2, lm_eval=False) -> dict:
     return over
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if "loop" in fast_tier(v)])
 def test_the_loop_uses_the_run(variant, small_corpus, tmp_path, capsys):
+    """The fast tier's straight run, for the folders whose train.py keeps "loop" in FAST_TIER; the others'
+    straight run (the same checks, with the context axis and lm-eval on too) opens
+    test_the_loop_stops_resumes_and_refuses in the integration tier."""
     train = load(os.path.join(ROOT, variant, "train.py"))
 
     # a straight run with every feature on but the context axis (the integration tier's runs below split the rows

@@ -65,8 +65,8 @@ examples:
   python tools/variant_diff.py variants/my_idea --out /tmp/vd --runs runs/dense-1 runs/my_idea-1
                                                               # + the loss curves of the two runs in report.md
 
-Lineage: the nearest sibling, the distances and the check use the code only (model.py and
-train.py). Docs (*.md), presets (presets/*.yaml) and other files (bench_*.py, ...) are shown
+Lineage: the nearest sibling, the distances and the check use the code only (model.py,
+train.py and hf.py; a deleted hf.py counts as one decision). Docs (*.md), presets (presets/*.yaml) and other files (bench_*.py, ...) are shown
 in their own columns and sections ("other files") and never pick the nearest sibling.
 
 The check column: "ok" only when the declared parent is the nearest folder by code (or the
@@ -553,7 +553,10 @@ def render_section(repo: Repo, r: Report, with_diff: bool, max_diff_lines: int, 
     kinds = _kinds_text(r.other_entries)
     out += ["", f"Change against the {against} `{r.base}`:", "",
             f"- code (model.py, train.py, hf.py): {len(cc)} of {len(r.code_entries)} files, "
-            f"+{sum(e.added for e in cc)} -{sum(e.removed for e in cc)} lines",
+            f"+{sum(e.added for e in cc)} -{sum(e.removed for e in cc)} lines"
+            + "".join(f" ({e.path} deleted: its {e.removed} lines are counted here, but not in the code distance, "
+                      f"where deleting it is one decision)" for e in cc
+                      if e.status == "removed" and os.path.basename(e.path) in OPTIONAL_CODE),
             f"- other files (docs, presets, benchmarks, ...; not used for the lineage): {len(oc)} of "
             f"{len(r.other_entries)} files, +{sum(e.added for e in oc)} -{sum(e.removed for e in oc)} lines"
             + (f" ({kinds})" if kinds else ""), ""]

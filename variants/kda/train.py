@@ -93,6 +93,10 @@ class TrainConfig(run.RunConfig, evals.EvalConfig):
 # for ModelConfig fields). A copy that adds a path the default never reaches at that size (a window
 # shorter than the row, several chunks, another mesh axis) sets it here, so the contract runs it.
 CONTRACT_TINY: dict = {"model": {"chunk_size": 8}}  # four KDA chunks per 32-token row: the state crosses chunks
+# The long checks of this folder that stay in the fast tier, each under 30 s on 2 cores (the rest run in the
+# integration tier; docs/testing.md, "What a folder costs"): "loop" (the train loop with every feature on),
+# "context" (the row split over context 2). tools/check_variant.py prints what each costs here.
+FAST_TIER: tuple = ()  # both take longer here
 
 
 # ---------------------------------------------------------------- mesh, optimizer, steps
