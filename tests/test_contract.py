@@ -671,6 +671,26 @@ def check_decoding(r: TinyRun):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_decoding_with_the_cache_is_forward(variant):
     check_decoding(tiny_run(variant))
+    check_a_cache_sharded_otherwise_is_named(tiny_run(variant))
+
+
+def check_a_cache_sharded_otherwise_is_named(r: TinyRun):
+    """A hand-built cache whose first array leaf is not where cache_specs puts it (here: whole on every device)
+    is refused by prefill and decode_step naming the leaf and the spec expected (kernels.check_specs), not
+    by XLA deep inside an update ("All operands should have the same sharding")."""
+    cfg = r.cfg.model
+    with jax.set_mesh(r.mesh):
+        cache = jax.eval_shape(lambda: r.model.init_cache(cfg, ROWS, T))
+        leaves, tree = jax.tree_util.tree_flatten_with_path(cache)
+        path = next(p for p, leaf in leaves if leaf.ndim >= 2)
+        bad = jax.tree_util.tree_unflatten(tree, [
+            jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(r.mesh, P())) if p == path else leaf
+            for p, leaf in leaves])
+        params = r.init(r.key)["params"]
+        for fn, call in (("prefill", lambda p, c: r.model.prefill(p, jnp.zeros((ROWS, 4), jnp.int32), c, cfg)),
+                         ("decode_step", lambda p, c: r.model.decode_step(p, jnp.zeros((ROWS,), jnp.int32), c, cfg))):
+            with pytest.raises(kernels.KernelError, match=rf"^{fn}: cache\[.*\] is sharded P\(None.*, expected P\("):
+                jax.eval_shape(call, params, bad)
 
 
 def test_a_folder_without_a_cache_is_told_what_to_add():

@@ -52,9 +52,14 @@ class Recorder:
             t[3] = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
 
 
+def strip_group(nodeid: str) -> str:
+    """The node id without the `@group` pytest-xdist's --dist loadgroup appends."""
+    return nodeid.split("@")[0] if "]@" in nodeid or "@" in nodeid.rsplit("::", 1)[-1] else nodeid
+
+
 def check_name(nodeid: str) -> str:
     """tests/test_contract.py::test_step[variants/kda] -> test_contract.py::test_step."""
-    path, _, rest = nodeid.partition("::")
+    path, _, rest = strip_group(nodeid).partition("::")
     return f"{os.path.basename(path)}::{rest.split('[')[0]}"
 
 
@@ -110,7 +115,7 @@ def main(argv=None) -> int:
                    "-n", str(args.workers), "-o", "console_output_style=classic"]
     for f in folders:
         pytest_args += ["--folder", f]
-    start = time.monotonic()
+    start, load = time.monotonic(), os.getloadavg()[0]
     code = pytest.main(pytest_args, plugins=[rec])
     if code not in (0, 1):  # 5: nothing collected; 2-4: interrupted, internal or usage error
         print(f"pytest stopped with exit status {code} before the checks finished", file=sys.stderr)
@@ -140,10 +145,11 @@ def main(argv=None) -> int:
     for nodeid, (_, seconds, tier, _) in rec.tests.items():
         name = long_checks.get(check_name(nodeid))
         if name and tier == "fast" and seconds > FAST_BUDGET_S:
-            notes.append(f"{nodeid} took {seconds:.0f} s in the fast tier, over the {FAST_BUDGET_S} s a folder's long "
+            notes.append(f"{strip_group(nodeid)} took {seconds:.0f} s in the fast tier, over the {FAST_BUDGET_S} s a folder's long "
                          f"check may take there: drop \"{name}\" from FAST_TIER in its train.py (docs/testing.md)")
     print(f"\nchecks of {', '.join(folders)} ({'the fast tier' if args.fast else 'both tiers'}; "
-          f"{time.monotonic() - start:.0f} s in all, pytest on {args.workers} workers):\n")
+          f"{time.monotonic() - start:.0f} s in all, pytest on {args.workers} workers; load average "
+          f"{load:.1f} at the start on {os.cpu_count()} cores: times on a busier machine run longer):\n")
     width = max(len(r[0]) for r in rows + tool_rows)
     for name, result, s, tier, note in rows + tool_rows:
         print(f"  {name:<{width}}  {result:<7} {s:7.1f} s  {tier:<11} {note}".rstrip())

@@ -33,7 +33,7 @@ from shared.kernels.attention import BACKENDS, AttentionError, attention
 from shared.kernels.attention import Call as AttentionCall
 from shared.kernels.conv import ConvError, short_conv
 from shared.kernels.cross_entropy import CrossEntropyError, cross_entropy
-from shared.kernels.dispatch import KernelError, choices
+from shared.kernels.dispatch import KernelError, check_specs, choices
 from shared.kernels.rms_norm import NormError, rms_norm
 
 REGISTRIES = {"attention": _attention.BACKENDS, "cross_entropy": _cross_entropy.BACKENDS,

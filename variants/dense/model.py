@@ -303,6 +303,7 @@ def prefill(params, tokens, cache, cfg: ModelConfig, *, lengths=None):
 
     The rows run as `forward` runs a packed row: the padding is a document of its own (segment id 0,
     the prompt 1), so the prompt's positions start at 0 and nothing of it attends to the padding."""
+    kernels.check_specs("prefill: cache", cache, cache_specs(cfg))  # a hand-built cache is named, not failed deep
     B, T = tokens.shape
     lengths = jnp.full((B,), T, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
     lengths = reshard(lengths, cache_specs(cfg)["pos"])
@@ -330,6 +331,7 @@ def decode_step(params, token, cache, cfg: ModelConfig):
     """One new token per row, token [B] int32, at each row's next position and the cache's next slot.
     Returns (logits [B, V] fp32 for the token after it, the cache holding it). The caller keeps the
     slot below max_len (shared/decode.py does): a write past the end would be clamped onto the last slot."""
+    kernels.check_specs("decode_step: cache", cache, cache_specs(cfg))  # a hand-built cache is named, not failed deep
     dt = jnp.dtype(cfg.compute_dtype)
     x = reshard(params["embed"], P(None, None)).at[token[:, None]].get(out_sharding=acts(None)).astype(dt)
     angles = rope_angles(cache["pos"][:, None], cfg.head_dim, cfg.rope_theta)

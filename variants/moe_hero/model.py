@@ -823,6 +823,7 @@ def prefill(params, tokens, cache, cfg: ModelConfig, *, lengths=None):
     on the other tokens of the pass on that device (other rows, the padding); generation has no such
     batch, so it drops nothing. It equals `forward` with dispatch="dropless", and `forward` itself
     whenever that drops nothing (train/dropped = 0); variants/moe_hero/test_moe_hero.py checks both."""
+    kernels.check_specs("prefill: cache", cache, cache_specs(cfg))  # a hand-built cache is named, not failed deep
     cfg = dataclasses.replace(cfg, dispatch="dropless")
     B, T = tokens.shape
     lengths = jnp.full((B,), T, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
@@ -857,6 +858,7 @@ def decode_step(params, token, cache, cfg: ModelConfig):
 
     The layers run one after the other (a Python loop: local and global caches differ in length, and
     dense and MoE layers in weights); each token is routed as `forward` routes it, dropless (`prefill`)."""
+    kernels.check_specs("decode_step: cache", cache, cache_specs(cfg))  # a hand-built cache is named, not failed deep
     cfg = dataclasses.replace(cfg, dispatch="dropless")
     dt = jnp.dtype(cfg.compute_dtype)
     x = reshard(params["embed"], P(None, None)).at[token[:, None]].get(out_sharding=acts(None)).astype(dt)

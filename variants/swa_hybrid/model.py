@@ -431,6 +431,7 @@ def prefill(params, tokens, cache, cfg: ModelConfig, *, lengths=None):
 
     The rows run as `forward` runs a packed row: the padding is a document of its own (segment id 0,
     the prompt 1), so the prompt's positions start at 0 and nothing of it attends to the padding."""
+    kernels.check_specs("prefill: cache", cache, cache_specs(cfg))  # a hand-built cache is named, not failed deep
     B, T = tokens.shape
     lengths = jnp.full((B,), T, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
     lengths = reshard(lengths, cache_specs(cfg)["pos"])
@@ -464,6 +465,7 @@ def decode_step(params, token, cache, cfg: ModelConfig):
 
     The layers run one after the other (a Python loop: a local and a global layer have caches of
     different lengths, so they do not stack into one scan)."""
+    kernels.check_specs("decode_step: cache", cache, cache_specs(cfg))  # a hand-built cache is named, not failed deep
     dt = jnp.dtype(cfg.compute_dtype)
     x = reshard(params["embed"], P(None, None)).at[token[:, None]].get(out_sharding=acts(None)).astype(dt)
     angles = layer_angles(cache["pos"][:, None], cfg)
