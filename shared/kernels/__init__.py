@@ -20,7 +20,8 @@ back. `available_backends(op)` says what this process can use at all; `usable(op
 can run one call here (available and not refusing it); `refusal(op, name, call)` why a named
 backend cannot compute a call wherever it runs (for configs, before anything is traced);
 `choices()` which backend each op took so far in this process (the train loop writes it into
-the run's config.json). `python -m shared.kernels.selfcheck` compares every available backend
+the run's run.json). `check_specs(where, cache, cache_specs)` names a cache leaf sharded otherwise
+than a model's cache_specs (prefill and decode_step call it). `python -m shared.kernels.selfcheck` compares every available backend
 with the reference and times it. See shared/kernels/dispatch.py for the rules (platforms, `auto`).
 """
 
@@ -33,7 +34,7 @@ from shared.kernels.attention import BACKENDS, AttentionError, attention
 from shared.kernels.attention import Call as AttentionCall
 from shared.kernels.conv import ConvError, short_conv
 from shared.kernels.cross_entropy import CrossEntropyError, cross_entropy
-from shared.kernels.dispatch import KernelError, check_specs, choices
+from shared.kernels.dispatch import KernelError, check_specs, choices  # noqa: F401  (kernels.check_specs)
 from shared.kernels.rms_norm import NormError, rms_norm
 
 REGISTRIES = {"attention": _attention.BACKENDS, "cross_entropy": _cross_entropy.BACKENDS,
