@@ -210,7 +210,7 @@ def test_cli_help_and_real_repository_table():
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
     h = subprocess.run([sys.executable, TOOL, "--help"], capture_output=True, text=True, env=env, timeout=60)
     assert h.returncode == 0 and "--since REV" in h.stdout and "--table" in h.stdout
-    assert "model.py and\ntrain.py" in h.stdout and "within margin" in h.stdout and "--runs RUN" in h.stdout
+    assert "(model.py,\ntrain.py and hf.py; a deleted hf.py counts as one decision)" in h.stdout and "within margin" in h.stdout and "--runs RUN" in h.stdout
     t = subprocess.run([sys.executable, TOOL, "--table"], capture_output=True, text=True, env=env, timeout=60)
     assert t.returncode == 0, t.stderr
     assert "| templates/base " in t.stdout and "| variants/dense " in t.stdout
