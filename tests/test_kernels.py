@@ -215,25 +215,3 @@ def test_split_tells_an_axis_divided_between_devices_from_one_over_a_mesh_axis_o
             both = jax.device_put(x, NamedSharding(mesh, P(("data", "model"), None)))
             assert split(both, 0) == (shape != (1, 1)) and not split(both, 1), shape
 
-
-def test_kda_inputs_sharded_unlike_each_other_are_named_with_the_spec_expected():
-    """kda, which a copy calls directly, names the input whose sharding disagrees with q's and the spec it
-    expects (here g left unsharded over heads while q has them over `model`), instead of failing deep inside
-    the chunked kernel. (Attention and the short convolution need no such check: JAX reshards their
-    mismatched inputs and computes, test below.)"""
-    from jax.sharding import AxisType, NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from shared.kernels import kda as kda_mod
-
-    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
-    put = lambda x, *s: jax.device_put(x, NamedSharding(mesh, P(*s)))  # noqa: E731
-    q = put(jnp.ones((4, 8, 2, 4)), "data", None, "model")
-    g = put(jnp.ones((4, 8, 2, 4)), "data", None, None)
-    beta = put(jnp.ones((4, 8, 2)), "data", None, "model")
-    with jax.set_mesh(mesh):
-        with pytest.raises(kda_mod.KDAError, match=r"^kda: g is sharded P\('data', None, None, None\) and q "
-                                                   r"P\('data', None, 'model', None\).* expected g "
-                                                   r"P\('data', None, 'model', None\)"):
-            kda_mod.kda(q, q, q, g, beta)
-        assert kernels.attention(q, g, g).shape == q.shape  # k, v unlike q: resharded by JAX, computed

@@ -207,28 +207,6 @@ def spec(x):
     return s + (None,) * (x.ndim - len(s))
 
 
-def check_alike(op: str, ref_name: str, ref, others: dict, error=KernelError) -> None:
-    """Raise `error` naming the input and the spec expected when an input is sharded unlike `ref` on the
-    axes they share: `others` maps a name to (array or None, {its axis: ref's axis, ...}, the axes' names).
-    XLA would otherwise stop at the first operation that mixes them, naming no argument
-    ("All operands should have the same sharding ...")."""
-    if jax.sharding.get_abstract_mesh().empty:
-        return
-    want = spec(ref)
-    for name, (x, axes, labels) in others.items():
-        if x is None:
-            continue
-        got = spec(x)
-        if all(got[a] == want[b] for a, b in axes.items()):
-            continue
-        expected = list(got)
-        for a, b in axes.items():
-            expected[a] = want[b]
-        raise error(f"{op}: {name} is sharded {P(*got)} and {ref_name} {P(*want)}; {name}'s {labels} must be "
-                    f"sharded as {ref_name}'s: expected {name} {P(*expected)} "
-                    f"(jax.sharding.reshard({name}, {P(*expected)}))")
-
-
 def check_specs(where: str, tree: dict, specs: dict, error=KernelError) -> None:
     """Raise `error` naming the leaf and both specs when a leaf of `tree` (a model's decoding cache) is not
     sharded as `specs` (its cache_specs) says, under an explicit mesh: a hand-built cache otherwise fails deep
