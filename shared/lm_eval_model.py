@@ -11,21 +11,8 @@ or `--step N`), one checkpoint (RUN/checkpoints/step_XXXXXXXX or a URL), or `--i
 checkpoint names its variant, so one command serves every folder. The tokenizer is the run's own
 tokenizer.json (`--tokenizer` for another file with the same ids); a checkpoint without one is refused.
 
-`StencilLM` is an `lm_eval.api.model.LM` (through lm-eval's TemplateLM, which splits a request into
-context and continuation tokens the way lm-eval's own `hf` model does):
-  loglikelihood          every (context, continuation) as one row, left-truncated to the last
-                         max_length + 1 tokens (lm-eval's rule: the oldest context goes first); an empty
-                         context is the end-of-text token. Rows are scored in batches of `--batch_size`
-                         (sharded over the mesh's batch axes), sorted by length and padded on the right to a
-                         power of two (at most max_length), so a handful of shapes compile.
-  loglikelihood_rolling  a document's log-likelihood in windows of max_length tokens, each predicting the
-                         tokens the one before did not (lm-eval's get_rolling_token_windows, context 1).
-  generate_until         greedy (or sampled at the task's temperature) cached decoding with the folder's
-                         `init_cache` / `prefill` / `decode_step` (shared/decode.py), the context
-                         left-truncated to max_length - max_gen_toks tokens, stopped at eos, at the
-                         task's `until` strings (the text is cut before the first) or after max_gen_toks.
-max_length is the run's seq_len by default (the length it was trained at; `--max_length`). The scores are
-fp32 log-softmax of `model.forward`'s logits (shared/evals/probes.score).
+How `StencilLM` scores each request kind (loglikelihood, loglikelihood_rolling, generate_until), its
+batching and its max_length: shared/evals/harness.py's docstring, the one place it is described.
 
 Output: lm-eval's table on stdout, and `--out FILE` (a new file): {"results", "versions", "n-shot",
 "higher_is_better", "source", "max_length"} and with `--log_samples` every document's requests and
