@@ -13,7 +13,7 @@ What runs, for each folder (from the repository root, in the README's test venv)
   (`-2]`, `-default]`) cannot leave a check out;
 - the lineage: `tools/variant_diff.py <folder> --strict` (the declared parent exists and is the nearest
   sibling in code);
-- the linter: `ruff check <folder>` (the rules in pyproject.toml).
+- the linter and the formatter: `ruff check <folder>`, `ruff format --check <folder>` (pyproject.toml).
 Then one line per check (a test function counts once, however many cases it has): its result, its
 seconds (setup and teardown included; under pytest's two workers), and its tier (`fast`: a plain
 `python -m pytest -q` runs it; `integration`: `-m integration` does; docs/testing.md). The exit status is 0
@@ -127,11 +127,13 @@ def main(argv=None) -> int:
         tool_rows.append((f"lineage: tools/variant_diff.py {f} --strict", result, s, "fast",
                           "" if result == "passed" else out.splitlines()[-1]))
         ruff = shutil.which("ruff") or os.path.join(os.path.dirname(sys.executable), "ruff")
-        if os.path.exists(ruff):
-            result, s, out = run_tool([ruff, "check", f])
-            tool_rows.append((f"lint: ruff check {f}", result, s, "fast", "" if result == "passed" else out))
-        else:
-            tool_rows.append((f"lint: ruff check {f}", "skipped", 0.0, "fast", "ruff not installed: pip install -e '.[test]'"))
+        for command in (["check"], ["format", "--check"]):
+            what = f"lint: ruff {' '.join(command)} {f}"
+            if os.path.exists(ruff):
+                result, s, out = run_tool([ruff, *command, f])
+                tool_rows.append((what, result, s, "fast", "" if result == "passed" else out))
+            else:
+                tool_rows.append((what, "skipped", 0.0, "fast", "ruff not installed: pip install -e '.[test]'"))
     notes = []
     for f in folders:
         name = os.path.basename(f)

@@ -55,7 +55,7 @@ class TrainConfig(run.RunConfig, evals.EvalConfig):
     grad_clip: float = 1.0  # global-norm clipping; 0 = off
     mesh_data: int = -1  # size of the `data` (FSDP) mesh axis; -1 = all devices / mesh_model
     mesh_model: int = 1  # size of the `model` (tensor-parallel) mesh axis
-    mesh_context: int = 1  # size of the `context` mesh axis: each row's sequence split over it (shared/kernels/context.py)
+    mesh_context: int = 1  # size of the `context` mesh axis: rows' sequences split over it (shared/kernels/context.py)
     eval_every: int = 50  # evaluate every this many steps, and at the end; 0 = only at the end
     eval_batches: int = 4  # micro-batches of held-out rows per evaluation
     init_from: str = ""  # "hf:DIR": start from a Hugging Face model's weights, architecture and tokenizer (hf.py here)

@@ -63,7 +63,7 @@ class TrainConfig(run.RunConfig, evals.EvalConfig):
     mesh_data: int = -1  # size of the `data` (FSDP) mesh axis; -1 = all devices / (mesh_expert * mesh_model)
     mesh_expert: int = 1  # size of the `expert` mesh axis (expert parallelism; also shards batch rows and FSDP)
     mesh_model: int = 1  # size of the `model` (tensor-parallel) mesh axis
-    mesh_context: int = 1  # size of the `context` mesh axis: each row's sequence split over it (shared/kernels/context.py)
+    mesh_context: int = 1  # size of the `context` mesh axis: rows' sequences split over it (shared/kernels/context.py)
     bias_rate: float = 1e-2  # aux-loss-free balancing: bias += bias_rate * sign(mean load - load) each step
     # (1e-2 suits the short CPU default; the presets use DeepSeek-V3's 1e-3 for long runs)
     eval_every: int = 50  # evaluate every this many steps, and at the end; 0 = only at the end
