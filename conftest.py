@@ -37,9 +37,23 @@ import pytest  # noqa: E402
 # command-line flags: the same run either way. `over` takes flag names (dots as "__" in keywords too:
 # model__n_layers=3) or TrainConfig fields with config objects (data=DataConfig(...)).
 TINY_DENSE = {
-    "model.vocab_size": 512, "model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
-    "model.head_dim": 16, "model.d_ff": 128, "seq_len": 32, "batch_size": 8, "steps": 6, "warmup_steps": 1,
-    "log_every": 1, "eval_every": 3, "eval_batches": 2, "save_every": 3, "sample_tokens": 0, "wandb": "disabled",
+    "model.vocab_size": 512,
+    "model.d_model": 64,
+    "model.n_layers": 2,
+    "model.n_heads": 4,
+    "model.n_kv_heads": 2,
+    "model.head_dim": 16,
+    "model.d_ff": 128,
+    "seq_len": 32,
+    "batch_size": 8,
+    "steps": 6,
+    "warmup_steps": 1,
+    "log_every": 1,
+    "eval_every": 3,
+    "eval_batches": 2,
+    "save_every": 3,
+    "sample_tokens": 0,
+    "wandb": "disabled",
     "data.val_fraction": 0.1,
 }
 
@@ -80,16 +94,20 @@ class TinyDense:
         """The run as its own process (`args`: more flags, after the tiny ones), output captured."""
         import subprocess
 
-        return subprocess.Popen([sys.executable, self.script, *self.flags(run_dir, **over), *args], text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
-                                env={**os.environ, "PYTHONPATH": ROOT})
+        return subprocess.Popen(
+            [sys.executable, self.script, *self.flags(run_dir, **over), *args],
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": ROOT},
+        )
 
 
 @pytest.fixture(scope="session")
 def tiny_dense(small_corpus):
     """The tiny dense run of the train-loop tests (TINY_DENSE), as a config or as flags."""
     return TinyDense(small_corpus)
-
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -138,19 +156,28 @@ def gcs():
 
 # ---------------------------------------------------------------- parallel workers (pytest-xdist)
 
+
 def pytest_addoption(parser):
-    parser.addoption("--folder", action="append", default=[], metavar="FOLDER",
-                     help="only the checks of this folder (variants/<name> or templates/base; repeatable): every test "
-                          "with the folder as a parameter (the contract, the loop, Hugging Face, the docs rules) and "
-                          "the tests in the folder itself. tools/check_variant.py runs them all and prints a table.")
+    parser.addoption(
+        "--folder",
+        action="append",
+        default=[],
+        metavar="FOLDER",
+        help="only the checks of this folder (variants/<name> or templates/base; repeatable): every test "
+        "with the folder as a parameter (the contract, the loop, Hugging Face, the docs rules) and "
+        "the tests in the folder itself. tools/check_variant.py runs them all and prints a table.",
+    )
 
 
 def folders_of(item) -> set[str]:
     """The folders a test checks: its parameters that name a folder (`variants/<name>`, `templates/<name>`)
     and the folder its file lives in, if that is one."""
     params = getattr(getattr(item, "callspec", None), "params", {})
-    found = {"/".join(v.split("/")[:2]) for v in params.values()
-             if isinstance(v, str) and re.fullmatch(r"(variants|templates)/\w+(/[^/]+)*", v)}
+    found = {
+        "/".join(v.split("/")[:2])
+        for v in params.values()
+        if isinstance(v, str) and re.fullmatch(r"(variants|templates)/\w+(/[^/]+)*", v)
+    }
     rel = os.path.relpath(str(item.path), ROOT).replace(os.sep, "/")
     if re.match(r"(variants|templates)/\w+/", rel):
         found.add("/".join(rel.split("/")[:2]))
@@ -187,5 +214,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(module))
 
 
-SERIAL_MODULES = ("test_slurm", "test_objstore", "test_launch", "test_preemption", "test_faults",
-                  "test_docs")  # test_docs: its module fixture starts every command's --help at once; once
+SERIAL_MODULES = (
+    "test_slurm",
+    "test_objstore",
+    "test_launch",
+    "test_preemption",
+    "test_faults",
+    "test_docs",
+)  # test_docs: its module fixture starts every command's --help at once; once

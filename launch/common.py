@@ -18,8 +18,11 @@ def variants() -> list[str]:
 def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variant", default="dense", help=f"one of {', '.join(variants())} (default dense)")
     p.add_argument("--preset", default=None, help="the variant's presets/NAME.yaml (default: none)")
-    p.add_argument("overrides", nargs=argparse.REMAINDER,
-                   help="after --: flags passed through to train.py, e.g. -- --steps 1000 --model.n_layers 8")
+    p.add_argument(
+        "overrides",
+        nargs=argparse.REMAINDER,
+        help="after --: flags passed through to train.py, e.g. -- --steps 1000 --model.n_layers 8",
+    )
 
 
 def train_args(args: argparse.Namespace, python: str = "python") -> list[str]:
@@ -73,11 +76,13 @@ def if_checkpoint(cmd: list[str], run_dir_sh: str, then: str) -> str:
     where = flag_value(cmd, "--checkpoint_dir")
     if where and where.startswith(("gs://", "s3://")):
         q = shlex.quote(where)
-        return (f"{shlex.quote(cmd[0])} -m shared.checkpoint list --quiet {q} && ckpt_rc=0 || ckpt_rc=$?; "
-                f'if [ "$ckpt_rc" = 0 ]; then {then}; elif [ "$ckpt_rc" != 1 ]; then '
-                f'echo "stencil: cannot list the checkpoints in {where} (see above); not starting" >&2; exit 1; fi')
+        return (
+            f"{shlex.quote(cmd[0])} -m shared.checkpoint list --quiet {q} && ckpt_rc=0 || ckpt_rc=$?; "
+            f'if [ "$ckpt_rc" = 0 ]; then {then}; elif [ "$ckpt_rc" != 1 ]; then '
+            f'echo "stencil: cannot list the checkpoints in {where} (see above); not starting" >&2; exit 1; fi'
+        )
     if where:
-        folder = shlex.quote(where[len("file://"):] if where.startswith("file://") else where)
+        folder = shlex.quote(where[len("file://") :] if where.startswith("file://") else where)
     else:
         folder = f"{run_dir_sh}/checkpoints"
     return f'for ckpt in {folder}/{CHECKPOINT_GLOB}; do if [ -f "$ckpt" ]; then {then}; fi; done'
@@ -85,13 +90,17 @@ def if_checkpoint(cmd: list[str], run_dir_sh: str, then: str) -> str:
 
 def refuse_resume_flags(cmd: list[str], launcher: str) -> None:
     """A requeued or restarted job runs the same command again, so the launcher decides --resume."""
-    why = {"--resume": "to continue a run, pass its --run_dir",
-           "--resume_from": "a restart would go back to that checkpoint; copy it into the checkpoint directory instead"}
+    why = {
+        "--resume": "to continue a run, pass its --run_dir",
+        "--resume_from": "a restart would go back to that checkpoint; copy it into the checkpoint directory instead",
+    }
     for flag, hint in why.items():
         if has_flag(cmd, flag):
-            sys.exit(f"error: {launcher} adds --resume true itself when the checkpoint directory (<run_dir>/checkpoints "
-                     f"or --checkpoint_dir) holds a checkpoint, "
-                     f"so a restarted job continues where it stopped; drop {flag} ({hint})")
+            sys.exit(
+                f"error: {launcher} adds --resume true itself when the checkpoint directory (<run_dir>/checkpoints "
+                f"or --checkpoint_dir) holds a checkpoint, "
+                f"so a restarted job continues where it stopped; drop {flag} ({hint})"
+            )
 
 
 def shell(cmd: list[str]) -> str:

@@ -42,8 +42,12 @@ def free_port() -> int:
 
 def process_env(i: int, n: int, port: int, devices: int, platform: str, base: dict | None = None) -> dict:
     env = dict(os.environ if base is None else base)
-    env.update(STENCIL_COORDINATOR=f"127.0.0.1:{port}", STENCIL_NUM_PROCESSES=str(n), STENCIL_PROCESS_ID=str(i),
-               PYTHONUNBUFFERED="1")
+    env.update(
+        STENCIL_COORDINATOR=f"127.0.0.1:{port}",
+        STENCIL_NUM_PROCESSES=str(n),
+        STENCIL_PROCESS_ID=str(i),
+        PYTHONUNBUFFERED="1",
+    )
     if platform == "cpu":
         flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).strip()
         env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
@@ -93,12 +97,20 @@ def _cause(bad: list[tuple[int, int]]) -> str:
     return f"process {i} {_describe(rc)}"
 
 
-def launch(cmd: list[str], nproc: int, devices: int, platform: str = "cpu", timeout: float = 0,
-           out=sys.stdout) -> int:
+def launch(cmd: list[str], nproc: int, devices: int, platform: str = "cpu", timeout: float = 0, out=sys.stdout) -> int:
     """Run cmd as nproc processes; 0 when all succeed, else 1 after stopping the rest."""
     port = free_port()
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=process_env(i, nproc, port, devices, platform), start_new_session=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(nproc)]
+    procs = [
+        subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=process_env(i, nproc, port, devices, platform),
+            start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(nproc)
+    ]
 
     def forward(signum, frame):
         for p in procs:
@@ -106,8 +118,11 @@ def launch(cmd: list[str], nproc: int, devices: int, platform: str = "cpu", time
                 p.send_signal(signum)
 
     forwarded = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-    previous = {s: signal.signal(s, forward) for s in forwarded} if threading.current_thread() is threading.main_thread() \
+    previous = (
+        {s: signal.signal(s, forward) for s in forwarded}
+        if threading.current_thread() is threading.main_thread()
         else {}
+    )
     pumps = [threading.Thread(target=_pump, args=(i, p.stdout, out), daemon=True) for i, p in enumerate(procs)]
     for t in pumps:
         t.start()
@@ -138,8 +153,12 @@ def launch(cmd: list[str], nproc: int, devices: int, platform: str = "cpu", time
         print(f"launch/local.py: {failed}; stopped the other processes", file=sys.stderr, flush=True)
         return 1
     if any(p.returncode == EXIT_PREEMPTED for p in procs):
-        print(f"launch/local.py: stopped on a signal after a checkpoint; exiting with {EXIT_PREEMPTED} "
-              "(continue with --resume true)", file=sys.stderr, flush=True)
+        print(
+            f"launch/local.py: stopped on a signal after a checkpoint; exiting with {EXIT_PREEMPTED} "
+            "(continue with --resume true)",
+            file=sys.stderr,
+            flush=True,
+        )
         return EXIT_PREEMPTED
     return 0
 

@@ -29,8 +29,18 @@ import sys
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (EXIT_PREEMPTED, ROOT, add_train_args, flag_value, has_flag, if_checkpoint, refuse_resume_flags,  # noqa: E402
-                    shell, train_args, write_output)
+from common import (
+    EXIT_PREEMPTED,
+    ROOT,
+    add_train_args,
+    flag_value,
+    has_flag,
+    if_checkpoint,
+    refuse_resume_flags,  # noqa: E402
+    shell,
+    train_args,
+    write_output,
+)
 
 PORT = 1234
 
@@ -41,20 +51,33 @@ def task(args: argparse.Namespace) -> dict:
     name = args.name or f"stencil-{args.variant}"
     if not has_flag(cmd, "--run_dir"):
         cmd += ["--run_dir", f"runs/{name}"]  # a fixed path, so that a recovered job finds its checkpoints
-    run = "\n".join([
-        "set -euo pipefail",
-        'export STENCIL_COORDINATOR="$(echo "$SKYPILOT_NODE_IPS" | head -n1):%d"' % PORT,
-        'export STENCIL_NUM_PROCESSES="$SKYPILOT_NUM_NODES"',
-        'export STENCIL_PROCESS_ID="$SKYPILOT_NODE_RANK"',
-        f"RUN_DIR={shell([flag_value(cmd, '--run_dir')])}",
-        "set --",
-        if_checkpoint(cmd, '"$RUN_DIR"', "set -- --resume true"),
-        "exec " + shell(cmd) + ' "$@"', ""])
+    run = "\n".join(
+        [
+            "set -euo pipefail",
+            'export STENCIL_COORDINATOR="$(echo "$SKYPILOT_NODE_IPS" | head -n1):%d"' % PORT,
+            'export STENCIL_NUM_PROCESSES="$SKYPILOT_NUM_NODES"',
+            'export STENCIL_PROCESS_ID="$SKYPILOT_NODE_RANK"',
+            f"RUN_DIR={shell([flag_value(cmd, '--run_dir')])}",
+            "set --",
+            if_checkpoint(cmd, '"$RUN_DIR"', "set -- --resume true"),
+            "exec " + shell(cmd) + ' "$@"',
+            "",
+        ]
+    )
     extra = "[gpu]" if args.accelerators and not args.accelerators.lower().startswith("tpu") else ""
-    out = {"name": name, "num_nodes": args.nodes, "workdir": args.workdir,
-           "resources": {"job_recovery": {"max_restarts_on_errors": args.max_restarts_on_errors,
-                                          "recover_on_exit_codes": [EXIT_PREEMPTED]}},
-           "setup": f"pip install -e '.{extra}'\n", "run": run}
+    out = {
+        "name": name,
+        "num_nodes": args.nodes,
+        "workdir": args.workdir,
+        "resources": {
+            "job_recovery": {
+                "max_restarts_on_errors": args.max_restarts_on_errors,
+                "recover_on_exit_codes": [EXIT_PREEMPTED],
+            }
+        },
+        "setup": f"pip install -e '.{extra}'\n",
+        "run": run,
+    }
     if args.accelerators:
         out["resources"]["accelerators"] = args.accelerators
     if args.cloud:
@@ -69,21 +92,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--accelerators", default="H100:8", help="SkyPilot accelerator spec, '' = CPU nodes")
     p.add_argument("--cloud", default="")
-    p.add_argument("--name", default=None, help="the task's name and the default run dir runs/<name> "
-                                                "(default stencil-<variant>)")
-    p.add_argument("--use-spot", action="store_true", help="spot VMs (with `sky jobs launch`: recovered when preempted)")
-    p.add_argument("--max-restarts-on-errors", type=int, default=3,
-                   help="a managed job that fails otherwise than by exit 75 (a crash, the hang watchdog's 70) is "
-                        "restarted from its last checkpoint this many times (default 3)")
+    p.add_argument(
+        "--name", default=None, help="the task's name and the default run dir runs/<name> (default stencil-<variant>)"
+    )
+    p.add_argument(
+        "--use-spot", action="store_true", help="spot VMs (with `sky jobs launch`: recovered when preempted)"
+    )
+    p.add_argument(
+        "--max-restarts-on-errors",
+        type=int,
+        default=3,
+        help="a managed job that fails otherwise than by exit 75 (a crash, the hang watchdog's 70) is "
+        "restarted from its last checkpoint this many times (default 3)",
+    )
     p.add_argument("--workdir", default=ROOT)
     p.add_argument("-o", "--output", default="-")
     add_train_args(p)
     args = p.parse_args(argv)
     if args.nodes < 1 or args.max_restarts_on_errors < 0:
-        p.error(f"--nodes must be >= 1 and --max-restarts-on-errors >= 0, got {args.nodes} and "
-                f"{args.max_restarts_on_errors}")
-    return write_output(yaml.safe_dump(task(args), sort_keys=False), args.output,
-                        "start with: sky jobs launch -n stencil (recovered when preempted), or sky launch -c stencil")
+        p.error(
+            f"--nodes must be >= 1 and --max-restarts-on-errors >= 0, got {args.nodes} and "
+            f"{args.max_restarts_on_errors}"
+        )
+    return write_output(
+        yaml.safe_dump(task(args), sort_keys=False),
+        args.output,
+        "start with: sky jobs launch -n stencil (recovered when preempted), or sky launch -c stencil",
+    )
 
 
 if __name__ == "__main__":

@@ -27,8 +27,19 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (EXIT_HUNG, EXIT_PREEMPTED, ROOT, add_train_args, flag_value, has_flag, if_checkpoint,  # noqa: E402
-                    refuse_resume_flags, shell, train_args, write_output)
+from common import (
+    EXIT_HUNG,
+    EXIT_PREEMPTED,
+    ROOT,
+    add_train_args,
+    flag_value,
+    has_flag,
+    if_checkpoint,  # noqa: E402
+    refuse_resume_flags,
+    shell,
+    train_args,
+    write_output,
+)
 
 
 def script(args: argparse.Namespace) -> str:
@@ -37,11 +48,17 @@ def script(args: argparse.Namespace) -> str:
     if not has_flag(cmd, "--run_dir"):
         cmd += ["--run_dir", f"runs/{args.variant}-$SLURM_JOB_ID"]
     run_dir = flag_value(cmd, "--run_dir")
-    lines = ["#!/bin/bash", f"#SBATCH --job-name=stencil-{args.variant}", f"#SBATCH --nodes={args.nodes}",
-             f"#SBATCH --ntasks-per-node={args.tasks_per_node}", f"#SBATCH --time={args.time}",
-             "#SBATCH --output=slurm-%j.out",
-             "#SBATCH --open-mode=append",  # a requeued job keeps its earlier output (a hang's stacks)
-             "#SBATCH --requeue", f"#SBATCH --signal=USR1@{args.signal_lead}"]
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name=stencil-{args.variant}",
+        f"#SBATCH --nodes={args.nodes}",
+        f"#SBATCH --ntasks-per-node={args.tasks_per_node}",
+        f"#SBATCH --time={args.time}",
+        "#SBATCH --output=slurm-%j.out",
+        "#SBATCH --open-mode=append",  # a requeued job keeps its earlier output (a hang's stacks)
+        "#SBATCH --requeue",
+        f"#SBATCH --signal=USR1@{args.signal_lead}",
+    ]
     if args.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={args.gpus_per_node}")
     if args.cpus_per_task:
@@ -54,8 +71,10 @@ def script(args: argparse.Namespace) -> str:
         lines.append("export JAX_LOCAL_DEVICE_IDS=" + ",".join(str(i) for i in range(args.gpus_per_node)))
     # (a task per GPU: JAX gives task SLURM_LOCALID its GPU by itself)
     if args.cpu_devices:  # the last --xla_force_host_platform_device_count wins
-        lines += ["export JAX_PLATFORMS=cpu",
-                  f'export XLA_FLAGS="${{XLA_FLAGS:-}} --xla_force_host_platform_device_count={args.cpu_devices}"']
+        lines += [
+            "export JAX_PLATFORMS=cpu",
+            f'export XLA_FLAGS="${{XLA_FLAGS:-}} --xla_force_host_platform_device_count={args.cpu_devices}"',
+        ]
     lines += [
         "export STENCIL_INIT_TIMEOUT=${STENCIL_INIT_TIMEOUT:-600}",
         "",
@@ -86,17 +105,18 @@ def script(args: argparse.Namespace) -> str:
         '      scontrol requeue "$SLURM_JOB_ID" || { echo "stencil: scontrol requeue failed" >&2; exit "$rc"; }',
         "    else",
         '      echo "stencil: train.py exited $rc, but the job was already requeued ${SLURM_RESTART_COUNT:-0} times'
-        ' (MAX_REQUEUES=$MAX_REQUEUES): not requeued. To continue from its checkpoint, submit a script made with'
+        " (MAX_REQUEUES=$MAX_REQUEUES): not requeued. To continue from its checkpoint, submit a script made with"
         ' -- --run_dir $RUN_DIR" >&2',
         '      exit "$rc"',
         "    fi ;;",
         '  *) why=""',
         # srun exits 128+n when a task was killed by signal n; its own "task N: Killed" line names the task
         '     if [ "$rc" -gt 128 ]; then why=": a task was killed by SIG$(kill -l $((rc - 128)) 2>/dev/null || echo '
-        '$((rc - 128))) (the out-of-memory killer, a node problem, or by hand); srun\'s lines above name it"; fi',
+        "$((rc - 128))) (the out-of-memory killer, a node problem, or by hand); srun's lines above name it\"; fi",
         '     echo "stencil: train.py failed (exit $rc$why); not requeued" >&2; exit "$rc" ;;',
         "esac",
-        ""]
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -127,21 +147,37 @@ def time_limit_s(text: str) -> int | None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--tasks-per-node", type=int, default=1,
-                   help="processes per node (default 1: one process sees all of its node's GPUs); with GPUs, 1 or "
-                        "--gpus-per-node (a process per GPU)")
+    p.add_argument(
+        "--tasks-per-node",
+        type=int,
+        default=1,
+        help="processes per node (default 1: one process sees all of its node's GPUs); with GPUs, 1 or "
+        "--gpus-per-node (a process per GPU)",
+    )
     p.add_argument("--gpus-per-node", type=int, default=8, help="0 = CPU nodes")
-    p.add_argument("--cpu-devices", type=int, default=0,
-                   help="with --gpus-per-node 0: this many XLA CPU devices per process (JAX_PLATFORMS=cpu); "
-                        "0 = JAX's default (one)")
+    p.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=0,
+        help="with --gpus-per-node 0: this many XLA CPU devices per process (JAX_PLATFORMS=cpu); "
+        "0 = JAX's default (one)",
+    )
     p.add_argument("--cpus-per-task", type=int, default=0)
     p.add_argument("--time", default="24:00:00", help="the job's time limit, in sbatch's --time format")
-    p.add_argument("--signal-lead", type=int, default=180,
-                   help="seconds before the time limit at which every task gets SIGUSR1 (train.py saves and exits "
-                        "75): more than one step plus one checkpoint save (default 180)")
-    p.add_argument("--max-requeues", type=int, default=20,
-                   help="requeue on exit 75 (preempted) or 70 (hung) while SLURM_RESTART_COUNT is below this; "
-                        "every requeue counts (SLURM's own too): allow runtime / --time of them (default 20)")
+    p.add_argument(
+        "--signal-lead",
+        type=int,
+        default=180,
+        help="seconds before the time limit at which every task gets SIGUSR1 (train.py saves and exits "
+        "75): more than one step plus one checkpoint save (default 180)",
+    )
+    p.add_argument(
+        "--max-requeues",
+        type=int,
+        default=20,
+        help="requeue on exit 75 (preempted) or 70 (hung) while SLURM_RESTART_COUNT is below this; "
+        "every requeue counts (SLURM's own too): allow runtime / --time of them (default 20)",
+    )
     p.add_argument("--partition", default="")
     p.add_argument("--account", default="")
     p.add_argument("--workdir", default=ROOT, help="the repository on the cluster (default: this checkout)")
@@ -153,18 +189,23 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--signal-lead must be 1..65535 seconds, got {args.signal_lead}")
     limit = time_limit_s(args.time)
     if limit is None:
-        p.error(f"--time {args.time!r} is not in a format sbatch reads: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S, "
-                "or UNLIMITED")
+        p.error(
+            f"--time {args.time!r} is not in a format sbatch reads: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S, or UNLIMITED"
+        )
     if limit and args.signal_lead >= limit:
-        p.error(f"--signal-lead {args.signal_lead} s is not shorter than --time {args.time} ({limit} s): the "
-                "preemption signal would come at the start")
+        p.error(
+            f"--signal-lead {args.signal_lead} s is not shorter than --time {args.time} ({limit} s): the "
+            "preemption signal would come at the start"
+        )
     if args.nodes < 1 or args.tasks_per_node < 1:
         p.error(f"--nodes and --tasks-per-node must be >= 1, got {args.nodes} and {args.tasks_per_node}")
     if args.gpus_per_node < 0 or args.cpu_devices < 0 or args.cpus_per_task < 0:
         p.error("--gpus-per-node, --cpu-devices and --cpus-per-task must be >= 0")
     if args.gpus_per_node and args.tasks_per_node not in (1, args.gpus_per_node):
-        p.error(f"--tasks-per-node {args.tasks_per_node} with --gpus-per-node {args.gpus_per_node}: use 1 (a "
-                f"process sees every GPU of its node) or {args.gpus_per_node} (a process per GPU)")
+        p.error(
+            f"--tasks-per-node {args.tasks_per_node} with --gpus-per-node {args.gpus_per_node}: use 1 (a "
+            f"process sees every GPU of its node) or {args.gpus_per_node} (a process per GPU)"
+        )
     if args.gpus_per_node and args.cpu_devices:
         p.error("--cpu-devices is for CPU nodes (--gpus-per-node 0)")
     if args.max_requeues < 0:

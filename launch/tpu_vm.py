@@ -34,11 +34,28 @@ def command(args: argparse.Namespace) -> list[str]:
     refuse_resume_flags(cmd, "launch/tpu_vm.py")
     if not has_flag(cmd, "--run_dir"):
         cmd += ["--run_dir", f"runs/{args.name}"]  # a fixed path: the same line run again resumes
-    remote = "; ".join([f"cd {args.workdir} || exit 1", f"RUN_DIR={shell([flag_value(cmd, '--run_dir')])}", "set --",
-                        if_checkpoint(cmd, '"$RUN_DIR"', "set -- --resume true"),
-                        f'STENCIL_DISTRIBUTED=auto exec {shell(cmd)} "$@"'])
-    return ["gcloud", "compute", "tpus", "tpu-vm", "ssh", args.name, "--zone", args.zone, "--worker=all",
-            "--command", remote]
+    remote = "; ".join(
+        [
+            f"cd {args.workdir} || exit 1",
+            f"RUN_DIR={shell([flag_value(cmd, '--run_dir')])}",
+            "set --",
+            if_checkpoint(cmd, '"$RUN_DIR"', "set -- --resume true"),
+            f'STENCIL_DISTRIBUTED=auto exec {shell(cmd)} "$@"',
+        ]
+    )
+    return [
+        "gcloud",
+        "compute",
+        "tpus",
+        "tpu-vm",
+        "ssh",
+        args.name,
+        "--zone",
+        args.zone,
+        "--worker=all",
+        "--command",
+        remote,
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

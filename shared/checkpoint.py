@@ -116,6 +116,7 @@ def _delete(folder: str) -> None:
 
 # ---------------------------------------------------------------- saving
 
+
 def leaf_names(tree) -> list[str]:
     """Stable file-safe names for the leaves of a pytree, e.g. 'params.layers.wq'."""
     paths = jax.tree_util.tree_flatten_with_path(tree)[0]
@@ -138,7 +139,7 @@ def _sizes_and_crcs(store, keys: list[str], batch: int = 64) -> dict:
     """{key: [size, crc32]}, read back from `store`, `batch` reads at a time."""
     out = {}
     for i in range(0, len(keys), batch):
-        part = keys[i:i + batch]
+        part = keys[i : i + batch]
         for key, fut in [(k, store.read(k)) for k in part]:
             r = fut.result()
             if r.state != "value":
@@ -154,8 +155,13 @@ def _layout(chunk):
 @functools.lru_cache(maxsize=1024)
 def _zarr_json(dtype: str, shape: tuple, chunk: tuple) -> bytes:
     """The zarr.json tensorstore writes for such an array (made in memory)."""
-    arr = ts.open({"driver": "zarr3", "kvstore": {"driver": "memory"}}, create=True, dtype=ts.dtype(dtype),
-                  shape=shape, chunk_layout=_layout(chunk)).result()
+    arr = ts.open(
+        {"driver": "zarr3", "kvstore": {"driver": "memory"}},
+        create=True,
+        dtype=ts.dtype(dtype),
+        shape=shape,
+        chunk_layout=_layout(chunk),
+    ).result()
     return arr.kvstore.read("zarr.json").result().value
 
 
@@ -192,8 +198,16 @@ def _host_copy(names, leaves, buffers: dict | None = None) -> list[dict]:
                 np.copyto(buffers[key], data)
                 data = buffers[key]
             shards.append((shard.index, data))
-        out.append({"name": name, "shape": tuple(x.shape), "dtype": np.dtype(x.dtype).name, "chunk": chunk,
-                    "shards": shards, "floating": bool(jnp.issubdtype(x.dtype, jnp.floating))})
+        out.append(
+            {
+                "name": name,
+                "shape": tuple(x.shape),
+                "dtype": np.dtype(x.dtype).name,
+                "chunk": chunk,
+                "shards": shards,
+                "floating": bool(jnp.issubdtype(x.dtype, jnp.floating)),
+            }
+        )
     return out
 
 
@@ -214,12 +228,17 @@ def _start(directory: str, step: int, tree, metadata: dict, keep: int, ocdbt: bo
         if jax.process_index() == 0 and _store(final).list().result():
             _delete(final)  # a partial save of this step by a killed run, or an older save of it
     except Exception as e:
-        raise CheckpointError(f"saving step {step} to {final} failed: cannot clear its name: "
-                              f"{type(e).__name__}: {e}") from e
+        raise CheckpointError(
+            f"saving step {step} to {final} failed: cannot clear its name: {type(e).__name__}: {e}"
+        ) from e
     _sync(f"ckpt-clear-{step}")
     host = _host_copy(names, leaves, buffers)
-    meta = dict(metadata, step=step, ocdbt=ocdbt,
-                leaves={h["name"]: {"shape": list(h["shape"]), "dtype": h["dtype"]} for h in host})
+    meta = dict(
+        metadata,
+        step=step,
+        ocdbt=ocdbt,
+        leaves={h["name"]: {"shape": list(h["shape"]), "dtype": h["dtype"]} for h in host},
+    )
     meta = json.loads(json.dumps(meta))  # a copy, taken now: the loader moves on while the write runs
     return final, functools.partial(_write, directory, final, step, host, meta, keep, ocdbt)
 
@@ -239,8 +258,14 @@ def _write(directory, final, step, host, meta, keep, ocdbt) -> None:
         pending, mine = [], []
         for h in host:
             if ocdbt:
-                arr = ts.open(_spec(final, h["name"], ocdbt), create=True, open=True, dtype=ts.dtype(h["dtype"]),
-                              shape=h["shape"], chunk_layout=_layout(h["chunk"])).result()
+                arr = ts.open(
+                    _spec(final, h["name"], ocdbt),
+                    create=True,
+                    open=True,
+                    dtype=ts.dtype(h["dtype"]),
+                    shape=h["shape"],
+                    chunk_layout=_layout(h["chunk"]),
+                ).result()
             else:  # zarr.json by a plain write (the same bytes from every process), then opened: no conditional
                 # create, which tensorstore's s3 driver retries forever when the bucket is gone
                 store.write(f"arrays/{h['name']}/zarr.json", _zarr_json(h["dtype"], h["shape"], h["chunk"])).result()
@@ -256,7 +281,7 @@ def _write(directory, final, step, host, meta, keep, ocdbt) -> None:
         host.clear()  # the host copy is written: let it go before reading back
         if ocdbt:  # its own file layout: record every file under arrays/ (single process)
             mine = ["arrays/" + k.decode() for k in _store(join(final, "arrays")).list().result()]
-        files = {k[len("arrays/"):]: v for k, v in _sizes_and_crcs(store, sorted(mine)).items()}
+        files = {k[len("arrays/") :]: v for k, v in _sizes_and_crcs(store, sorted(mine)).items()}
         if n > 1:
             store.write(f"files.p{me}.json", json.dumps({"files": files})).result()
         if me == 0:
@@ -278,14 +303,21 @@ def _write(directory, final, step, host, meta, keep, ocdbt) -> None:
                 pass  # unreachable storage: the next save deletes it; without a commit record it is invisible
         who = f"process {me} of {n}: " if n > 1 else ""  # which process's part failed
         if isinstance(e, _NotFinite):
-            raise CheckpointError(f"{who}{e}; the last checkpoint in {directory} is {latest_name(directory)}") \
-                from None
-        what = "Its partial files were removed" if removed else \
-            "It has no commit record, so it is not a checkpoint (its partial files are deleted by the next save)"
-        budget = " (the object store kept failing past the retry budget, STENCIL_STORE_RETRIES)" \
-            if "retry attempts failed" in str(e) else ""
-        raise CheckpointError(f"{who}saving step {step} to {final} failed{budget}: {type(e).__name__}: {e}. {what}; "
-                              f"the last checkpoint is {latest_name(directory)}") from e
+            raise CheckpointError(f"{who}{e}; the last checkpoint in {directory} is {latest_name(directory)}") from None
+        what = (
+            "Its partial files were removed"
+            if removed
+            else "It has no commit record, so it is not a checkpoint (its partial files are deleted by the next save)"
+        )
+        budget = (
+            " (the object store kept failing past the retry budget, STENCIL_STORE_RETRIES)"
+            if "retry attempts failed" in str(e)
+            else ""
+        )
+        raise CheckpointError(
+            f"{who}saving step {step} to {final} failed{budget}: {type(e).__name__}: {e}. {what}; "
+            f"the last checkpoint is {latest_name(directory)}"
+        ) from e
     if me == 0:
         _tidy(directory, final, keep)
 
@@ -316,8 +348,9 @@ def _tidy(directory: str, final: str, keep: int) -> None:
             _delete(join(directory, name))
     if keep <= 0:
         return
-    committed = [join(directory, name) for name in sorted(scan, reverse=True)
-                 if _STEP_DIR.match(name) and COMMIT in scan[name]]
+    committed = [
+        join(directory, name) for name in sorted(scan, reverse=True) if _STEP_DIR.match(name) and COMMIT in scan[name]
+    ]
     complete = 0
     for path in committed:
         if complete < keep:
@@ -329,10 +362,10 @@ def _tidy(directory: str, final: str, keep: int) -> None:
 class Saver:
     """Asynchronous checkpoints, at most one in flight (see the module docstring).
 
-        saver = Saver()
-        saver.save(dir, step, state, meta)   # returns after the host copy; the write goes on
-        saver.check()                        # every step: raises a failed save's error
-        saver.wait()                         # end of run, preemption: the save is committed (or raises)
+    saver = Saver()
+    saver.save(dir, step, state, meta)   # returns after the host copy; the write goes on
+    saver.check()                        # every step: raises a failed save's error
+    saver.wait()                         # end of run, preemption: the save is committed (or raises)
     """
 
     def __init__(self):
@@ -399,13 +432,16 @@ def save(directory: str, step: int, tree, metadata: dict, *, keep: int = 3, ocdb
 
 # ---------------------------------------------------------------- listing, reading
 
+
 def _damage(meta: dict, path: str, checksums: bool) -> list[str]:
     store, problems, files = _store(path), [], sorted(meta.get("files", {}).items())
     for i in range(0, len(files), 64):
-        part = files[i:i + 64]
+        part = files[i : i + 64]
         # listing reads one byte at the recorded end, and asks for the rest: exactly one byte back if the size is right
-        futs = [store.read("arrays/" + rel, byte_range=None if checksums else slice(max(size - 1, 0), None))
-                for rel, (size, _) in part]
+        futs = [
+            store.read("arrays/" + rel, byte_range=None if checksums else slice(max(size - 1, 0), None))
+            for rel, (size, _) in part
+        ]
         for (rel, (size, crc)), fut in zip(part, futs):
             try:
                 r = fut.result()
@@ -454,8 +490,10 @@ def partial(directory: str) -> list[tuple[str, str]]:
     for name, keys in sorted(objstore.scan(directory).items()):
         if _STEP_DIR.match(name) and COMMIT not in keys:
             what = (f"{len(keys)} files, but " if keys else "") + f"no {COMMIT} (its commit record)"
-            why = f"{what}: a save that did not finish, or a deleted commit record; not a checkpoint, skipped " \
-                  "(the next save deletes it)"
+            why = (
+                f"{what}: a save that did not finish, or a deleted commit record; not a checkpoint, skipped "
+                "(the next save deletes it)"
+            )
             out.append((name, why))
     return out
 
@@ -500,7 +538,8 @@ def latest(directory: str) -> str | None:
             f"checkpoint {dirs[-1]} is damaged: {'; '.join(problems[:5])}"
             + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
             + f". Complete checkpoints: {[_basename(g) for g in good] or 'none'}. To resume from the newest "
-            f"of them, move the damaged one away or delete its metadata.json (its commit record)")
+            f"of them, move the damaged one away or delete its metadata.json (its commit record)"
+        )
     return dirs[-1]
 
 
@@ -517,8 +556,9 @@ def find(directory: str, which: str) -> str:
         raise CheckpointError(f"no checkpoint {path}; complete checkpoints there: {good or 'none'}")
     problems = verify(path)
     if problems:
-        raise CheckpointError(f"checkpoint {path} is damaged: {'; '.join(problems[:5])}. "
-                              f"Complete checkpoints there: {good or 'none'}")
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: {'; '.join(problems[:5])}. Complete checkpoints there: {good or 'none'}"
+        )
     return path
 
 
@@ -560,8 +600,9 @@ def restore(path: str, target):
             good = [_basename(g) for g in all_checkpoints(_parent(path)) if g != path]
         except ValueError:
             good = []
-        raise CheckpointError(f"checkpoint {path} is damaged: {'; '.join(problems[:5])}. "
-                              f"Complete checkpoints beside it: {good or 'none'}")
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: {'; '.join(problems[:5])}. Complete checkpoints beside it: {good or 'none'}"
+        )
     meta = read_metadata(path)
     names = leaf_names(target)
     leaves, treedef = jax.tree.flatten(target)
@@ -571,8 +612,10 @@ def restore(path: str, target):
     for name, t in zip(names, leaves):
         saved = meta["leaves"][name]
         if tuple(saved["shape"]) != tuple(t.shape) or saved["dtype"] != np.dtype(t.dtype).name:
-            raise CheckpointError(f"{path}: leaf {name} is {saved['dtype']}{saved['shape']} on disk "
-                                  f"but the run expects {np.dtype(t.dtype).name}{list(t.shape)}")
+            raise CheckpointError(
+                f"{path}: leaf {name} is {saved['dtype']}{saved['shape']} on disk "
+                f"but the run expects {np.dtype(t.dtype).name}{list(t.shape)}"
+            )
     # Every slice this process's devices need is asked for before any is waited on (on a bucket each is a
     # request: hundreds in flight, not one after another), with at most RESTORE_WINDOW_BYTES read ahead of
     # the arrays made from them, so host memory holds a window of the state, not all of it.
@@ -625,6 +668,7 @@ def open_leaf(path: str, name: str):
 
 # ---------------------------------------------------------------- command line
 
+
 def main(argv=None) -> int:
     """`python -m shared.checkpoint list DIR`: the committed checkpoints in DIR (any location this
     module takes), oldest first, one per line with what `verify` finds wrong (nothing for a good
@@ -634,7 +678,9 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m shared.checkpoint", description=main.__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
-    ls = sub.add_parser("list", help="committed checkpoints in DIR; exit 0 if any, 1 if none, 2 if DIR cannot be listed")
+    ls = sub.add_parser(
+        "list", help="committed checkpoints in DIR; exit 0 if any, 1 if none, 2 if DIR cannot be listed"
+    )
     ls.add_argument("directory", metavar="DIR")
     ls.add_argument("--quiet", action="store_true", help="print nothing; the exit code says it")
     args = ap.parse_args(argv)

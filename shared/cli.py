@@ -126,8 +126,11 @@ def unknown_flag(cls, argv: list[str]) -> str | None:
         if name in names or any(name.startswith(d + ".") for d in dicts):
             continue
         near = difflib.get_close_matches(name, sorted(names), n=3, cutoff=0.6)
-        return (f"unknown flag --{name}" + (f"; did you mean {' or '.join('--' + n for n in near)}?" if near else "")
-                + " (--help lists every flag)")
+        return (
+            f"unknown flag --{name}"
+            + (f"; did you mean {' or '.join('--' + n for n in near)}?" if near else "")
+            + " (--help lists every flag)"
+        )
     return None
 
 
@@ -142,8 +145,10 @@ def _flag_error(e: BaseException) -> str:
         m = re.match(r"`([\w.]+)`: (.*)", str(x))
         if type(x).__name__ == "DecodingError" and m and "of type dict[" in m.group(2):  # a mapping field
             value = re.search(r"value=(.*?) into field", m.group(2))
-            return (f"--{m.group(1)}: {value.group(1) if value else 'the value'} is not a mapping; give it as YAML, "
-                    f"e.g. --{m.group(1)} '{{a: 0.7, b: 0.3}}'")
+            return (
+                f"--{m.group(1)}: {value.group(1) if value else 'the value'} is not a mapping; give it as YAML, "
+                f"e.g. --{m.group(1)} '{{a: 0.7, b: 0.3}}'"
+            )
         if type(x).__name__ == "DecodingError" and m:
             why = "" if x is chain[-1] else f" ({chain[-1]})"
             return f"--{m.group(1)}: {m.group(2)[0].lower()}{m.group(2)[1:]}{why}"
@@ -204,7 +209,7 @@ def parse(config_cls, variant_dir: str, argv: list[str] | None = None):
     for i, a in enumerate(argv):
         if a == "--preset" and i + 1 < len(argv):
             preset = argv[i + 1]
-            del argv[i:i + 2]
+            del argv[i : i + 2]
             break
         if a.startswith("--preset="):
             preset = a.split("=", 1)[1]
@@ -219,13 +224,16 @@ def parse(config_cls, variant_dir: str, argv: list[str] | None = None):
         except distributed.DistributedError as e:
             sys.exit(f"error: {e}")
     if helping:
-        print(f"presets (--preset NAME, from {os.path.relpath(variant_dir)}/presets/): "
-              f"{', '.join(known) or 'none'}; no preset = the built-in CPU default\n")
+        print(
+            f"presets (--preset NAME, from {os.path.relpath(variant_dir)}/presets/): "
+            f"{', '.join(known) or 'none'}; no preset = the built-in CPU default\n"
+        )
     if not helping and unknown_flag(config_cls, argv):
         sys.exit(f"error: {unknown_flag(config_cls, argv)}")
     try:
-        parser = ArgumentParser(config_cls, config_path=known.get(preset), formatter_class=HelpFormatter,
-                                exit_on_error=True)
+        parser = ArgumentParser(
+            config_cls, config_path=known.get(preset), formatter_class=HelpFormatter, exit_on_error=True
+        )
         config = parser.parse_args(_quote_strings(config_cls, argv))
         found = runs_settings(config, variant_dir)
         if found:  # a resume: the run's settings, then the preset and the flags given now
@@ -236,16 +244,22 @@ def parse(config_cls, variant_dir: str, argv: list[str] | None = None):
             with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
                 json.dump({**base, "run_dir": run_dir}, f)
             try:
-                parser = ArgumentParser(config_cls, config_path=f.name, formatter_class=HelpFormatter,
-                                        exit_on_error=True)
+                parser = ArgumentParser(
+                    config_cls, config_path=f.name, formatter_class=HelpFormatter, exit_on_error=True
+                )
                 config = parser.parse_args(_quote_strings(config_cls, argv))
             finally:
                 os.unlink(f.name)
             was, now = flat(saved, config_cls), flat(run.settings(config), config_cls)
-            changed = [f"--{k} {was[k]!r} -> {now[k]!r}" for k in sorted(now)
-                       if k in was and was[k] != now[k] and k != "run_dir"]
-            log.info(f"resume: the settings of {path}" + (f"; changed now: {', '.join(changed)}" if changed else
-                                                          ", none changed"))
+            changed = [
+                f"--{k} {was[k]!r} -> {now[k]!r}"
+                for k in sorted(now)
+                if k in was and was[k] != now[k] and k != "run_dir"
+            ]
+            log.info(
+                f"resume: the settings of {path}"
+                + (f"; changed now: {', '.join(changed)}" if changed else ", none changed")
+            )
     except draccus.utils.ParsingError as e:
         sys.exit(f"error: invalid configuration: {_flag_error(e)}")
     distributed.install_failure_hook()

@@ -59,6 +59,7 @@ def positive(v) -> str | None:
 def at_least(lo) -> Rule:
     def rule(v):
         return None if v >= lo and (not isinstance(v, float) or math.isfinite(v)) else f"must be >= {lo}, got {v}"
+
     return rule
 
 
@@ -69,12 +70,14 @@ def in_range(lo, hi, *, lo_open: bool = False, hi_open: bool = False) -> Rule:
     def rule(v):
         ok = (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
         return None if ok else f"must be in {text}, got {v}"
+
     return rule
 
 
 def one_of(*choices) -> Rule:
     def rule(v):
         return None if v in choices else f"must be one of {', '.join(map(str, choices))}, got {v!r}"
+
     return rule
 
 
@@ -109,18 +112,39 @@ def check_fields(config, rules: dict[str, Rule], prefix: str = "") -> None:
 # of those of shared/run.py's RunConfig, which every TrainConfig derives from. What spans fields (grad_accum
 # divides batch_size, warmup < steps) is checked in train.py.
 TRAIN_FIELDS: dict[str, Rule] = {
-    "seq_len": at_least(2), "batch_size": positive, "grad_accum": positive, "steps": positive,
-    "stop_at": at_least(0), "optimizer": one_of("adamw", "muon", "muonh", "adamh"),
-    "lr": positive, "min_lr_ratio": in_range(0, 1), "weight_decay": in_range(0, 1, hi_open=True),
-    "beta1": in_range(0, 1, hi_open=True), "beta2": in_range(0, 1, hi_open=True), "grad_clip": at_least(0),
+    "seq_len": at_least(2),
+    "batch_size": positive,
+    "grad_accum": positive,
+    "steps": positive,
+    "stop_at": at_least(0),
+    "optimizer": one_of("adamw", "muon", "muonh", "adamh"),
+    "lr": positive,
+    "min_lr_ratio": in_range(0, 1),
+    "weight_decay": in_range(0, 1, hi_open=True),
+    "beta1": in_range(0, 1, hi_open=True),
+    "beta2": in_range(0, 1, hi_open=True),
+    "grad_clip": at_least(0),
     "mesh_data": lambda v: None if v == -1 or v > 0 else f"must be -1 or positive, got {v}",
-    "mesh_model": positive, "mesh_context": positive, "eval_every": at_least(0), "eval_batches": positive,
-    "init_from": lambda v: None if v == "" or (v.startswith("hf:") and len(v) > 3) else
-    f"must be '' or hf:DIR (a Hugging Face model directory), got {v!r}",
-    "sample_every": at_least(0), "sample_tokens": at_least(0), "seed": at_least(0),
+    "mesh_model": positive,
+    "mesh_context": positive,
+    "eval_every": at_least(0),
+    "eval_batches": positive,
+    "init_from": lambda v: (
+        None
+        if v == "" or (v.startswith("hf:") and len(v) > 3)
+        else f"must be '' or hf:DIR (a Hugging Face model directory), got {v!r}"
+    ),
+    "sample_every": at_least(0),
+    "sample_tokens": at_least(0),
+    "seed": at_least(0),
 }
 RUN_FIELDS: dict[str, Rule] = {
-    "log_every": positive, "save_every": at_least(0), "keep_checkpoints": positive, "run_dir": path,
-    "checkpoint_dir": lambda v: v and objstore.location_error(v) or None, "resume_from": step_or_path,
-    "watchdog_s": at_least(0), "wandb": one_of("auto", "online", "offline", "disabled"),
+    "log_every": positive,
+    "save_every": at_least(0),
+    "keep_checkpoints": positive,
+    "run_dir": path,
+    "checkpoint_dir": lambda v: v and objstore.location_error(v) or None,
+    "resume_from": step_or_path,
+    "watchdog_s": at_least(0),
+    "wandb": one_of("auto", "online", "offline", "disabled"),
 }  # the evaluation's fields: shared/evals/__init__.py's EVAL_FIELDS

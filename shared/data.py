@@ -49,7 +49,8 @@ from shared.tokenstore import DataError, TokenStore  # noqa: F401  (DataError is
 @dataclass
 class Split:
     """An in-memory token array and the exclusive end offset of each document in it (and its bytes)."""
-    tokens: np.ndarray    # 1-D uint16/uint32
+
+    tokens: np.ndarray  # 1-D uint16/uint32
     doc_ends: np.ndarray  # 1-D int64, increasing, last == len(tokens)
     doc_bytes: np.ndarray | None = None  # UTF-8 bytes of each document's text (None: unknown)
     name: str = "split"
@@ -128,11 +129,11 @@ class Stream:
 
 @dataclass
 class Source:
-    name: str        # "" for a single unnamed source
+    name: str  # "" for a single unnamed source
     weight: float
-    train: object    # Stream (or Split)
+    train: object  # Stream (or Split)
     val: object
-    digest: str      # what the data is: sha256 of the documents (text), the ids (.npy) or the manifest (store)
+    digest: str  # what the data is: sha256 of the documents (text), the ids (.npy) or the manifest (store)
 
 
 @dataclass
@@ -145,7 +146,7 @@ class Corpus:
     digest: str = ""  # what the data is (and, for a mixture, its names and weights)
     tokenizer_digest: str = ""  # sha256 of the tokenizer's json file ("" without one)
     sources: list = field(default_factory=list)  # [Source]
-    evals: dict = field(default_factory=dict)    # name -> Stream of the named evaluation sets
+    evals: dict = field(default_factory=dict)  # name -> Stream of the named evaluation sets
 
     def encode(self, text: str) -> list[int]:
         return self._tok().encode(text, add_special_tokens=False).ids
@@ -160,6 +161,7 @@ class Corpus:
 
 
 # ---------------------------------------------------------------- splits
+
 
 def holdout(n_docs: int, val_fraction: float, what: str) -> np.ndarray:
     """Indices of the held-out documents: evenly spaced, independent of the seed."""
@@ -181,6 +183,7 @@ def split_documents(tokens: np.ndarray, doc_ends: np.ndarray, val_fraction: floa
 
     def make(sel, tok_sel):
         return Split(tokens[tok_sel], np.cumsum(lengths[sel]).astype(np.int64))
+
     return make(~is_val, ~tok_val), make(is_val, tok_val)
 
 
@@ -191,8 +194,10 @@ def store_splits(store: TokenStore, val_fraction: float, name: str) -> tuple[Str
     ts_ = np.r_[0, ve]
     te = np.r_[vs, store.n_tokens]
     keep = te > ts_
-    return (Stream(store, ts_[keep], te[keep], f"{name or 'train'} (train split of {store.root})"),
-            Stream(store, vs, ve, f"{name or 'train'} (held-out split of {store.root})"))
+    return (
+        Stream(store, ts_[keep], te[keep], f"{name or 'train'} (train split of {store.root})"),
+        Stream(store, vs, ve, f"{name or 'train'} (held-out split of {store.root})"),
+    )
 
 
 def whole(store: TokenStore, name: str) -> Stream:
@@ -239,8 +244,9 @@ def load_corpus(cfg: DataConfig, vocab_size: int, *, progress: bool = True) -> C
     opened = []
     for name, spec, w in entries:
         reuse = first_docs is not None and spec == entries[kinds.index("text")][1]  # the tokenizer's documents
-        store, digest = open_entry(cfg, spec, f"data.source: text source {spec!r}", first_docs if reuse else None,
-                                   first_digest)
+        store, digest = open_entry(
+            cfg, spec, f"data.source: text source {spec!r}", first_docs if reuse else None, first_digest
+        )
         train, val = store_splits(store, cfg.val_fraction, name)
         opened.append(Source(name, w, train, val, digest))
 
@@ -255,11 +261,21 @@ def load_corpus(cfg: DataConfig, vocab_size: int, *, progress: bool = True) -> C
     else:
         digest = hashlib.sha256(json.dumps([[s.name, s.digest, s.weight] for s in opened]).encode()).hexdigest()
     one = len(opened) == 1
-    return Corpus(tok, vocab_size, eos, opened[0].train if one else None, opened[0].val if one else None,
-                  digest, tok_digest or "", opened, evals)
+    return Corpus(
+        tok,
+        vocab_size,
+        eos,
+        opened[0].train if one else None,
+        opened[0].val if one else None,
+        digest,
+        tok_digest or "",
+        opened,
+        evals,
+    )
 
 
 # ---------------------------------------------------------------- packing and order
+
 
 def pack_rows(split, rows: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
     """The batch for the given row indices of the split (see module docstring)."""
@@ -271,7 +287,7 @@ def pack_rows(split, rows: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
     else:
         row = np.stack([split.read(int(s), int(s) + T + 1) for s in rows * (T + 1)]).astype(np.int32)
     doc = split.doc_ids(pos)
-    new = np.concatenate([np.zeros((len(rows), 1), np.int64), (doc[:, 1:T] != doc[:, :T - 1])], axis=1)
+    new = np.concatenate([np.zeros((len(rows), 1), np.int64), (doc[:, 1:T] != doc[:, : T - 1])], axis=1)
     return {
         "tokens": row[:, :-1],
         "targets": row[:, 1:],
@@ -299,8 +315,10 @@ def _check_rows(split, seq_len: int, what: str) -> int:
     n = split.n_rows(seq_len)
     if n < 1:
         name = getattr(split, "name", "")
-        raise DataError(f"the {what} split{' ' + name if name and name != 'split' else ''} has {split.n_tokens} "
-                        f"tokens but seq_len={seq_len} needs at least {seq_len + 1} for one row")
+        raise DataError(
+            f"the {what} split{' ' + name if name and name != 'split' else ''} has {split.n_tokens} "
+            f"tokens but seq_len={seq_len} needs at least {seq_len + 1} for one row"
+        )
     return n
 
 
@@ -348,8 +366,9 @@ def permute(idx: np.ndarray, n: int, key: tuple) -> np.ndarray:
 class Loader:
     """Deterministic, resumable loader of one split; each process reads only its slice of a global batch."""
 
-    def __init__(self, split, seq_len: int, global_batch: int, seed: int, *,
-                 process_index: int = 0, process_count: int = 1):
+    def __init__(
+        self, split, seq_len: int, global_batch: int, seed: int, *, process_index: int = 0, process_count: int = 1
+    ):
         self.split, self.seq_len, self.global_batch, self.seed = split, seq_len, global_batch, int(seed)
         self.b = _process_slice(global_batch, process_index, process_count)
         self.offset = process_index * self.b
@@ -395,8 +414,17 @@ class MixtureLoader:
     sampling (each source gets floor or ceil of weight x batch rows), slots shuffled; each source reads its
     own rows in its own epochs. The state (step, rows each source has consumed) resumes it bit-exactly."""
 
-    def __init__(self, splits: dict, weights: dict, seq_len: int, global_batch: int, seed: int, *,
-                 process_index: int = 0, process_count: int = 1):
+    def __init__(
+        self,
+        splits: dict,
+        weights: dict,
+        seq_len: int,
+        global_batch: int,
+        seed: int,
+        *,
+        process_index: int = 0,
+        process_count: int = 1,
+    ):
         self.names = list(splits)
         self.splits = [splits[n] for n in self.names]
         w = np.array([float(weights[n]) for n in self.names])
@@ -405,8 +433,10 @@ class MixtureLoader:
         self.seq_len, self.global_batch, self.seed = seq_len, global_batch, int(seed)
         self.b = _process_slice(global_batch, process_index, process_count)
         self.offset = process_index * self.b
-        self.n_rows = [_check_rows(s, seq_len, f"loader's ({n})") if self.weights[n] > 0 else 0
-                       for n, s in zip(self.names, self.splits)]
+        self.n_rows = [
+            _check_rows(s, seq_len, f"loader's ({n})") if self.weights[n] > 0 else 0
+            for n, s in zip(self.names, self.splits)
+        ]
         self.step = 0
         self.consumed = np.zeros(len(self.names), np.int64)
 
@@ -436,8 +466,12 @@ class MixtureLoader:
         return out
 
     def state(self) -> dict:
-        return {"seed": self.seed, "step": self.step, "weights": self.weights,
-                "consumed": {n: int(c) for n, c in zip(self.names, self.consumed)}}
+        return {
+            "seed": self.seed,
+            "step": self.step,
+            "weights": self.weights,
+            "consumed": {n: int(c) for n, c in zip(self.names, self.consumed)},
+        }
 
     def restore(self, state: dict) -> None:
         if set(state) != {"seed", "step", "weights", "consumed"}:
@@ -450,22 +484,30 @@ class MixtureLoader:
         self.consumed = np.array([int(state["consumed"][n]) for n in self.names], np.int64)
 
 
-def make_loader(corpus: Corpus, seq_len: int, global_batch: int, seed: int, *,
-                process_index: int = 0, process_count: int = 1):
+def make_loader(
+    corpus: Corpus, seq_len: int, global_batch: int, seed: int, *, process_index: int = 0, process_count: int = 1
+):
     """The corpus's training loader: a Loader for one source, a MixtureLoader for several."""
     kw = dict(process_index=process_index, process_count=process_count)
     if len(corpus.sources) == 1:
         return Loader(corpus.sources[0].train, seq_len, global_batch, seed, **kw)
-    return MixtureLoader({s.name: s.train for s in corpus.sources}, {s.name: s.weight for s in corpus.sources},
-                         seq_len, global_batch, seed, **kw)
+    return MixtureLoader(
+        {s.name: s.train for s in corpus.sources},
+        {s.name: s.weight for s in corpus.sources},
+        seq_len,
+        global_batch,
+        seed,
+        **kw,
+    )
 
 
 # ---------------------------------------------------------------- evaluation sets
 
+
 @dataclass
 class EvalSet:
-    batches: list    # this process's rows of each fixed batch
-    tokens: float    # predicted tokens (loss_mask) over the global batches
+    batches: list  # this process's rows of each fixed batch
+    tokens: float  # predicted tokens (loss_mask) over the global batches
     bytes: float | None  # text bytes they stand for (None: unknown, no bits per byte)
 
     def bpb(self, loss: float) -> float | None:
@@ -473,8 +515,9 @@ class EvalSet:
         return None if not self.bytes else loss * self.tokens / self.bytes / math.log(2)
 
 
-def eval_set(parts: list, seq_len: int, batch: int, n_batches: int, *,
-             process_index: int = 0, process_count: int = 1) -> EvalSet:
+def eval_set(
+    parts: list, seq_len: int, batch: int, n_batches: int, *, process_index: int = 0, process_count: int = 1
+) -> EvalSet:
     """n_batches fixed batches from [(split, weight)]: each split's share of the rows (largest remainder
     of the weights) evenly spaced over it, repeating only if the split is too small."""
     b = _process_slice(batch, process_index, process_count)
@@ -490,7 +533,7 @@ def eval_set(parts: list, seq_len: int, batch: int, n_batches: int, *,
             rows += [(split, r) for r in (np.arange(c) * n_rows) // c]
     batches, tokens, nbytes = [], 0.0, 0.0
     for k in range(n_batches):  # every process packs the whole (small) global batch: tokens and bytes are global
-        glob_rows, packed = rows[k * batch:(k + 1) * batch], []
+        glob_rows, packed = rows[k * batch : (k + 1) * batch], []
         for split, _ in parts:
             mine = np.array([r for s, r in glob_rows if s is split], np.int64)
             if len(mine):
@@ -499,19 +542,22 @@ def eval_set(parts: list, seq_len: int, batch: int, n_batches: int, *,
                 nbytes = None if nb is None or nbytes is None else nbytes + nb
         full = {key: np.concatenate([p[key] for p in packed]) for key in packed[0]}
         tokens += float(full["loss_mask"].sum())
-        batches.append({key: v[process_index * b:(process_index + 1) * b] for key, v in full.items()})
+        batches.append({key: v[process_index * b : (process_index + 1) * b] for key, v in full.items()})
     return EvalSet(batches, tokens, nbytes)
 
 
-def eval_batches(split, seq_len: int, batch: int, n_batches: int, *,
-                 process_index: int = 0, process_count: int = 1) -> list[dict]:
+def eval_batches(
+    split, seq_len: int, batch: int, n_batches: int, *, process_index: int = 0, process_count: int = 1
+) -> list[dict]:
     """n_batches fixed batches of evenly spaced rows (repeating only if the split is too small)."""
-    return eval_set([(split, 1.0)], seq_len, batch, n_batches, process_index=process_index,
-                    process_count=process_count).batches
+    return eval_set(
+        [(split, 1.0)], seq_len, batch, n_batches, process_index=process_index, process_count=process_count
+    ).batches
 
 
-def eval_sets(corpus: Corpus, seq_len: int, batch: int, n_batches: int, *,
-              process_index: int = 0, process_count: int = 1) -> dict[str, EvalSet]:
+def eval_sets(
+    corpus: Corpus, seq_len: int, batch: int, n_batches: int, *, process_index: int = 0, process_count: int = 1
+) -> dict[str, EvalSet]:
     """The evaluation sets: "" = the held-out split of the training sources (mixed by weight); for a mixture,
     each source's held-out split on its own, by its name (eval/<source>/loss, as Levanter logs it); then
     every named set of data.eval."""

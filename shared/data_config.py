@@ -25,28 +25,38 @@ class DataConfig:
     # name=path@weight,... (see shared/data.py)
     source: str = "stdlib"
     weights: dict[str, float] = field(default_factory=dict)  # mixture weights by source name (YAML form); {} = @w / 1
-    eval: str = ""               # extra evaluation sets: name=path,... (token stores or text sources)
-    text_field: str = "text"     # field read from each JSONL line / Parquet column
-    tokenizer: str = ""          # "" = the store's, or train a byte-level BPE on the text; or a tokenizer.json
-    val_fraction: float = 0.02   # fraction of each source's documents held out (at least 1 document)
-    max_bytes: int = 0           # cap on the text bytes read from a text source (0 = no cap)
-    cache_dir: str = ""          # "" = $STENCIL_CACHE or ~/.cache/stencil
-    seed: int = 0                # data order seed
+    eval: str = ""  # extra evaluation sets: name=path,... (token stores or text sources)
+    text_field: str = "text"  # field read from each JSONL line / Parquet column
+    tokenizer: str = ""  # "" = the store's, or train a byte-level BPE on the text; or a tokenizer.json
+    val_fraction: float = 0.02  # fraction of each source's documents held out (at least 1 document)
+    max_bytes: int = 0  # cap on the text bytes read from a text source (0 = no cap)
+    cache_dir: str = ""  # "" = $STENCIL_CACHE or ~/.cache/stencil
+    seed: int = 0  # data order seed
 
     def __post_init__(self):
         _check(isinstance(self.source, str) and self.source.strip() != "", "source", "must name a source")
         named = [n for n, _, _ in parse_sources(self.source, self.weights) if n]  # each error names the field
         clash = [n for n, _ in parse_eval(self.eval) if n in named]
-        _check(not clash, "eval", f"{clash} also name sources of data.source, whose held-out documents are "
-                                  f"evaluated as eval/<source>/ already; give the extra sets other names")
+        _check(
+            not clash,
+            "eval",
+            f"{clash} also name sources of data.source, whose held-out documents are "
+            f"evaluated as eval/<source>/ already; give the extra sets other names",
+        )
         _check(bool(self.text_field), "text_field", "must be a field name, got ''")
-        _check(self.tokenizer == "" or self.tokenizer.endswith(".json"), "tokenizer",
-               f"must be '' or a tokenizer .json file, got {self.tokenizer!r}")
+        _check(
+            self.tokenizer == "" or self.tokenizer.endswith(".json"),
+            "tokenizer",
+            f"must be '' or a tokenizer .json file, got {self.tokenizer!r}",
+        )
         _check(0.0 < self.val_fraction < 1.0, "val_fraction", f"must be in (0, 1), got {self.val_fraction}")
         _check(self.max_bytes >= 0, "max_bytes", f"must be >= 0 (0 = no cap), got {self.max_bytes}")
         _check("\0" not in self.cache_dir, "cache_dir", "contains a NUL byte")
-        _check(not (self.cache_dir and os.path.isfile(os.path.expanduser(self.cache_dir))), "cache_dir",
-               f"{self.cache_dir!r} is a file, not a directory")
+        _check(
+            not (self.cache_dir and os.path.isfile(os.path.expanduser(self.cache_dir))),
+            "cache_dir",
+            f"{self.cache_dir!r} is a file, not a directory",
+        )
         _check(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
 
 
@@ -57,8 +67,10 @@ def parse_sources(source: str, weights: dict | None = None) -> list[tuple[str, s
     named = [NAME.match(e) for e in entries]
     if not any(named):
         if weights:
-            raise DataError(f"data.weights: names sources {sorted(weights)} but data.source {source!r} has no "
-                            "named sources (name=path,...)")
+            raise DataError(
+                f"data.weights: names sources {sorted(weights)} but data.source {source!r} has no "
+                "named sources (name=path,...)"
+            )
         return [("", source.strip(), 1.0)]
     out = []
     for e, m in zip(entries, named):

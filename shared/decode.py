@@ -43,6 +43,7 @@ class GenerateError(StencilError, ValueError):
 @dataclass(frozen=True)
 class Sampling:
     """How the next token is picked from the logits: greedy at temperature 0."""
+
     temperature: float = 0.0
     top_k: int = 0  # keep the k most likely tokens (ties with the k-th included); 0 = all
     top_p: float = 1.0  # then the smallest set of them whose probability reaches top_p; 1 = all
@@ -113,16 +114,29 @@ def check_prompts(prompts, max_len: int, vocab_size: int, names=None) -> None:
         if len(p) == 0:
             raise GenerateError(f"{name} is empty (no tokens): generation continues a prompt, so give it at least one")
         if len(p) >= max_len:
-            raise GenerateError(f"{name} has {len(p)} tokens, and max_len is {max_len}: no room for a new token "
-                                "(shorten it, or raise --max_len)")
+            raise GenerateError(
+                f"{name} has {len(p)} tokens, and max_len is {max_len}: no room for a new token "
+                "(shorten it, or raise --max_len)"
+            )
         bad = [t for t in p if not 0 <= t < vocab_size]
         if bad:
             raise GenerateError(f"{name} has token ids outside the model's vocabulary of {vocab_size}: {bad[:5]}")
 
 
-def generate(model, params, cfg, prompts: list[list[int]], *, mesh, max_new_tokens: int, max_len: int | None = None,
-             sampling: Sampling = Sampling(), key=None, eos_id: int | None = None, progress: bool = False
-             ) -> list[Completion]:
+def generate(
+    model,
+    params,
+    cfg,
+    prompts: list[list[int]],
+    *,
+    mesh,
+    max_new_tokens: int,
+    max_len: int | None = None,
+    sampling: Sampling = Sampling(),
+    key=None,
+    eos_id: int | None = None,
+    progress: bool = False,
+) -> list[Completion]:
     """Continue each prompt (a list of token ids) by up to `max_new_tokens` tokens, as one batch on `mesh`.
 
     `model` is a folder's model module, `cfg` its ModelConfig, `params` on `mesh` (any number of prompts;
@@ -143,7 +157,7 @@ def generate(model, params, cfg, prompts: list[list[int]], *, mesh, max_new_toke
     key = np.asarray(jax.random.key_data(jax.random.key(0) if key is None else key))  # off the caller's mesh
     tokens = np.zeros((B, T), np.int32)
     for b, p in enumerate(prompts):
-        tokens[b, T - len(p):] = p
+        tokens[b, T - len(p) :] = p
     lengths = np.array([len(p) for p in prompts], np.int32)
     rows = P(row_axes(model, cfg) or None)
     place = lambda x, spec: jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda i: x[i])  # noqa: E731
@@ -153,8 +167,9 @@ def generate(model, params, cfg, prompts: list[list[int]], *, mesh, max_new_toke
         key = jax.random.wrap_key_data(key)
         cache = jax.jit(model.init_cache, static_argnums=(0, 1, 2))(cfg, B, T + steps)
         kw = dict(model=model, cfg=cfg, sampling=sampling)
-        token, cache = _first(params, place(tokens, P(*rows, None)), place(lengths, rows), cache,
-                              jax.random.fold_in(key, 0), **kw)
+        token, cache = _first(
+            params, place(tokens, P(*rows, None)), place(lengths, rows), cache, jax.random.fold_in(key, 0), **kw
+        )
         bar = None
         if progress:
             bar = tqdm(total=steps, desc="generating", unit="tok", file=sys.stderr, leave=False)

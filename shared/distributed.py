@@ -80,14 +80,20 @@ def detect() -> tuple[str, dict]:
         n = _int_env("STENCIL_NUM_PROCESSES")
         pid = _int_env("STENCIL_PROCESS_ID", _int_env("JOB_COMPLETION_INDEX"))
         if n is None or pid is None:
-            raise DistributedError("STENCIL_COORDINATOR is set, so STENCIL_NUM_PROCESSES and STENCIL_PROCESS_ID "
-                                   "(or JOB_COMPLETION_INDEX) must be too")
+            raise DistributedError(
+                "STENCIL_COORDINATOR is set, so STENCIL_NUM_PROCESSES and STENCIL_PROCESS_ID "
+                "(or JOB_COMPLETION_INDEX) must be too"
+            )
         if not 0 <= pid < n:
             raise DistributedError(f"process id {pid} is not in [0, STENCIL_NUM_PROCESSES={n})")
         if n == 1:
             return "single", {}
-        return "explicit", dict(coordinator_address=env["STENCIL_COORDINATOR"], num_processes=n, process_id=pid,
-                                cluster_detection_method="deactivate")
+        return "explicit", dict(
+            coordinator_address=env["STENCIL_COORDINATOR"],
+            num_processes=n,
+            process_id=pid,
+            cluster_detection_method="deactivate",
+        )
     slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
     if all(k in env for k in slurm) and _int_env("SLURM_NTASKS", 1) > 1:
         return "slurm", dict(cluster_detection_method="slurm")
@@ -123,8 +129,10 @@ def initialize() -> str:
         jax.distributed.initialize(initialization_timeout=timeout, heartbeat_timeout_seconds=heartbeat, **kw)
     except Exception as e:  # noqa: BLE001 - the runtime raises bare XlaRuntimeError / RuntimeError
         pid = kw.get("process_id", "?")
-        raise DistributedError(f"process {pid} ({mode} mode) could not join the run at {where} within "
-                               f"{timeout}s (STENCIL_INIT_TIMEOUT): {str(e).strip().splitlines()[0]}") from e
+        raise DistributedError(
+            f"process {pid} ({mode} mode) could not join the run at {where} within "
+            f"{timeout}s (STENCIL_INIT_TIMEOUT): {str(e).strip().splitlines()[0]}"
+        ) from e
     global _START
     import numpy as np
     from jax.experimental import multihost_utils
@@ -132,8 +140,14 @@ def initialize() -> str:
     t = int(_START)
     t = multihost_utils.broadcast_one_to_all(np.array([t >> 16, t & 0xFFFF], np.int32))
     _START = float((int(t[0]) << 16) + int(t[1]))
-    log.info("distributed (%s): process %d of %d, %d local / %d global devices", mode, jax.process_index(),
-             jax.process_count(), jax.local_device_count(), jax.device_count())
+    log.info(
+        "distributed (%s): process %d of %d, %d local / %d global devices",
+        mode,
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+    )
     return mode
 
 
@@ -155,8 +169,10 @@ def _wait_for(address: str, timeout: int, pid: int, mode: str) -> None:
         except OSError as e:
             err = e
             time.sleep(0.5)
-    raise DistributedError(f"process {pid} ({mode} mode) could not join the run at {address} within {timeout}s "
-                           f"(STENCIL_INIT_TIMEOUT): {err}; is process 0 running and the address reachable?")
+    raise DistributedError(
+        f"process {pid} ({mode} mode) could not join the run at {address} within {timeout}s "
+        f"(STENCIL_INIT_TIMEOUT): {err}; is process 0 running and the address reachable?"
+    )
 
 
 def config_digest(config) -> str:
@@ -180,8 +196,10 @@ def check_same_config(config) -> None:
     every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), -1)
     bad = [i for i in range(len(every)) if not np.array_equal(every[i], every[0])]
     if bad:
-        raise DistributedError(f"config of process(es) {bad} differs from process 0's (this is process "
-                               f"{jax.process_index()}); every process must get the same preset and flags")
+        raise DistributedError(
+            f"config of process(es) {bad} differs from process 0's (this is process "
+            f"{jax.process_index()}); every process must get the same preset and flags"
+        )
 
 
 def install_failure_hook() -> None:

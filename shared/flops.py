@@ -113,11 +113,13 @@ class CpuPeak:
 
     def describe(self) -> str:
         lo, mid, hi = (x / 1e9 for x in self.spread)
-        return (f"fp32 matmul measured at start, {self.flops / 1e9:.0f} GFLOP/s = {self.flops / self.cores / 1e9:.0f} "
-                f"per CPU-second x {self.cores} cores (best of {CPU_PEAK_REPEATS} after a warm-up, n={self.size}; its "
-                f"repetitions {lo:.0f}-{hi:.0f}, median {mid:.0f}; sizes "
-                + ", ".join(f"{n}: {v / 1e9:.0f}" for n, v in self.by_size.items())
-                + f"); by the wall clock {self.wall / 1e9:.0f} GFLOP/s, {self.wall / self.flops:.0%} of it")
+        return (
+            f"fp32 matmul measured at start, {self.flops / 1e9:.0f} GFLOP/s = {self.flops / self.cores / 1e9:.0f} "
+            f"per CPU-second x {self.cores} cores (best of {CPU_PEAK_REPEATS} after a warm-up, n={self.size}; its "
+            f"repetitions {lo:.0f}-{hi:.0f}, median {mid:.0f}; sizes "
+            + ", ".join(f"{n}: {v / 1e9:.0f}" for n, v in self.by_size.items())
+            + f"); by the wall clock {self.wall / 1e9:.0f} GFLOP/s, {self.wall / self.flops:.0%} of it"
+        )
 
 
 def cpu_peak(sizes: tuple = CPU_PEAK_SIZES, repeats: int = CPU_PEAK_REPEATS) -> CpuPeak:

@@ -74,34 +74,61 @@ def _read_prompts(args) -> tuple[list[str], list[str]]:
                     raise GenerateError(f"{args.prompts}:{n}: not JSON ({e})") from e
                 text = obj.get("prompt") if isinstance(obj, dict) else obj
                 if not isinstance(text, str):
-                    raise GenerateError(f"{args.prompts}:{n}: neither a JSON string nor an object with a string \"prompt\"")
+                    raise GenerateError(
+                        f'{args.prompts}:{n}: neither a JSON string nor an object with a string "prompt"'
+                    )
             texts.append(text)
             names.append(f"{args.prompts}:{n}")
     return texts, names
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m shared.generate", description=__doc__.split("\n\n", 1)[0] + "\n\n" +
-                                __doc__.split("\n\n", 1)[1].split("\n\nThe decoding is")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("source", nargs="?", default="", help="a run directory (its newest complete checkpoint) or a "
-                   "checkpoint (RUN/checkpoints/step_XXXXXXXX, or a URL)")
+    p = argparse.ArgumentParser(
+        prog="python -m shared.generate",
+        description=__doc__.split("\n\n", 1)[0] + "\n\n" + __doc__.split("\n\n", 1)[1].split("\n\nThe decoding is")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "source",
+        nargs="?",
+        default="",
+        help="a run directory (its newest complete checkpoint) or a "
+        "checkpoint (RUN/checkpoints/step_XXXXXXXX, or a URL)",
+    )
     p.add_argument("--init_from", default="", help="hf:DIR, a Hugging Face model directory, instead of a checkpoint")
     p.add_argument("--step", type=int, default=None, help="with a run directory: this step's checkpoint")
-    p.add_argument("--variant", default="", help="the folder whose model.py to use (default: the one the checkpoint "
-                   "records; for hf:DIR, the folder whose hf.py imports its class)")
-    p.add_argument("--weights", choices=("auto", "params", "ema"), default="auto",
-                   help="auto: the moving average when the run kept one, else params")
+    p.add_argument(
+        "--variant",
+        default="",
+        help="the folder whose model.py to use (default: the one the checkpoint "
+        "records; for hf:DIR, the folder whose hf.py imports its class)",
+    )
+    p.add_argument(
+        "--weights",
+        choices=("auto", "params", "ema"),
+        default="auto",
+        help="auto: the moving average when the run kept one, else params",
+    )
     p.add_argument("--tokenizer", default="", help="tokenizer.json (default: the run's own, or DIR's)")
     p.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
-    p.add_argument("--prompts", default="", help="a file of prompts: one per line, or .jsonl (JSON strings or "
-                   "objects with a \"prompt\")")
+    p.add_argument(
+        "--prompts",
+        default="",
+        help='a file of prompts: one per line, or .jsonl (JSON strings or objects with a "prompt")',
+    )
     p.add_argument("--max_new_tokens", type=int, default=128, help="new tokens per prompt at most (default 128)")
-    p.add_argument("--max_len", type=int, default=0, help="slots per row: the longest prompt plus the new tokens "
-                   "(default: the run's seq_len; for hf:DIR, its max_position_embeddings)")
+    p.add_argument(
+        "--max_len",
+        type=int,
+        default=0,
+        help="slots per row: the longest prompt plus the new tokens "
+        "(default: the run's seq_len; for hf:DIR, its max_position_embeddings)",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top_k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
-    p.add_argument("--top_p", type=float, default=1.0, help="nucleus: the smallest set reaching this probability (1 = all)")
+    p.add_argument(
+        "--top_p", type=float, default=1.0, help="nucleus: the smallest set reaching this probability (1 = all)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore_eos", action="store_true", help="do not stop at the end-of-text token")
     p.add_argument("--out", default="", help="write JSONL here (a new file; '-' = stdout) instead of text on stdout")
@@ -122,31 +149,63 @@ def run(args) -> int:
     if not texts:
         raise GenerateError("no prompts: give --prompt TEXT or --prompts FILE")
 
-    w = load_weights(args.source, init_from=args.init_from, step=args.step, variant=args.variant, weights=args.weights,
-                     tokenizer=args.tokenizer, mesh_data=args.mesh_data, mesh_model=args.mesh_model,
-                     mesh_expert=args.mesh_expert)
-    model, cfg, mesh, params, tok, eos, where = (w[k] for k in ("model", "cfg", "mesh", "params", "tokenizer", "eos_id",
-                                                                "where"))
+    w = load_weights(
+        args.source,
+        init_from=args.init_from,
+        step=args.step,
+        variant=args.variant,
+        weights=args.weights,
+        tokenizer=args.tokenizer,
+        mesh_data=args.mesh_data,
+        mesh_model=args.mesh_model,
+        mesh_expert=args.mesh_expert,
+    )
+    model, cfg, mesh, params, tok, eos, where = (
+        w[k] for k in ("model", "cfg", "mesh", "params", "tokenizer", "eos_id", "where")
+    )
     prompts = [tok.encode(t, add_special_tokens=False).ids for t in texts]
     max_len = args.max_len or int(w["seq_len"] or 0) or max(len(p) for p in prompts) + args.max_new_tokens
     check_prompts(prompts, max_len, cfg.vocab_size, names)
-    print(f"generating from {where}: {len(prompts)} prompts, up to {args.max_new_tokens} new tokens, "
-          f"max_len {max_len}, mesh {dict(mesh.shape)}", file=sys.stderr)
+    print(
+        f"generating from {where}: {len(prompts)} prompts, up to {args.max_new_tokens} new tokens, "
+        f"max_len {max_len}, mesh {dict(mesh.shape)}",
+        file=sys.stderr,
+    )
     t0 = time.perf_counter()
-    done = generate(model, params, cfg, prompts, mesh=mesh, max_new_tokens=args.max_new_tokens, max_len=max_len,
-                    sampling=sampling, key=jax.random.key(args.seed), eos_id=None if args.ignore_eos else eos,
-                    progress=jax.process_index() == 0)
+    done = generate(
+        model,
+        params,
+        cfg,
+        prompts,
+        mesh=mesh,
+        max_new_tokens=args.max_new_tokens,
+        max_len=max_len,
+        sampling=sampling,
+        key=jax.random.key(args.seed),
+        eos_id=None if args.ignore_eos else eos,
+        progress=jax.process_index() == 0,
+    )
     dt = time.perf_counter() - t0
     n = sum(len(c.tokens) for c in done)
     if jax.process_index() != 0:
         return 0
-    print(f"{n} new tokens in {dt:.2f} s ({n / dt:,.1f} tokens/s, the first step's compilation included)",
-          file=sys.stderr)
+    print(
+        f"{n} new tokens in {dt:.2f} s ({n / dt:,.1f} tokens/s, the first step's compilation included)", file=sys.stderr
+    )
     if any(c.stop == "max_len" for c in done):
-        print(f"warning: some rows stopped at max_len {max_len} before --max_new_tokens (raise --max_len)",
-              file=sys.stderr)
-    rows = [{"prompt": t, "completion": tok.decode(c.tokens, skip_special_tokens=False), "new_tokens": len(c.tokens),
-             "stop": c.stop} for t, c in zip(texts, done)]
+        print(
+            f"warning: some rows stopped at max_len {max_len} before --max_new_tokens (raise --max_len)",
+            file=sys.stderr,
+        )
+    rows = [
+        {
+            "prompt": t,
+            "completion": tok.decode(c.tokens, skip_special_tokens=False),
+            "new_tokens": len(c.tokens),
+            "stop": c.stop,
+        }
+        for t, c in zip(texts, done)
+    ]
     if args.out:
         lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
         if args.out == "-":

@@ -159,9 +159,11 @@ def held_by_another(holder: dict | None) -> bool:
 
 
 def in_use(run_dir: str, holder: dict) -> RunLockError:
-    return RunLockError(f"{run_dir} is in use by pid {holder.get('pid')} on {holder.get('host')} (since "
-                        f"{holder.get('since')}); one run per directory. If that run is gone (another host, a "
-                        f"container that was killed), delete {os.path.join(run_dir, 'LOCK')}")
+    return RunLockError(
+        f"{run_dir} is in use by pid {holder.get('pid')} on {holder.get('host')} (since "
+        f"{holder.get('since')}); one run per directory. If that run is gone (another host, a "
+        f"container that was killed), delete {os.path.join(run_dir, 'LOCK')}"
+    )
 
 
 class StoreLock:
@@ -181,12 +183,14 @@ class StoreLock:
                     except ValueError:
                         holder = None  # unreadable: taken over, as a local one
                     here = holder is not None and holder.get("host") == me["host"]
-                    if holder is not None and not (here and (not _alive(int(holder.get("pid", -1)))
-                                                             or holder["pid"] == me["pid"])):
+                    if holder is not None and not (
+                        here and (not _alive(int(holder.get("pid", -1))) or holder["pid"] == me["pid"])
+                    ):
                         raise RunLockError(
                             f"{location} is in use by pid {holder.get('pid')} on {holder.get('host')} (since "
                             f"{holder.get('since')}); one run per checkpoint directory. If that run is gone, "
-                            f"delete {self.url}")
+                            f"delete {self.url}"
+                        )
                 # absent, or stale: write ours only if it is still what was read (a conditional write)
                 got = objstore.write_key(location, "LOCK", json.dumps(me), if_generation=r.stamp.generation)
             except ValueError as e:
@@ -221,12 +225,20 @@ class StopSignals:
 
     def _handle(self, signum, frame):
         if self.signal is not None:
-            print(f"\nsecond signal ({signal.Signals(signum).name}): exiting now, without saving; the last "
-                  f"checkpoint is intact", file=sys.stderr, flush=True)
+            print(
+                f"\nsecond signal ({signal.Signals(signum).name}): exiting now, without saving; the last "
+                f"checkpoint is intact",
+                file=sys.stderr,
+                flush=True,
+            )
             _exit_now(EXIT_PREEMPTED)
         self.signal = signum
-        print(f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint and exiting "
-              f"with code {EXIT_PREEMPTED} (a second signal exits at once)", file=sys.stderr, flush=True)
+        print(
+            f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint and exiting "
+            f"with code {EXIT_PREEMPTED} (a second signal exits at once)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def requested(self) -> bool:
         """True when any process got a signal (all processes agree: one small all-gather per call)."""
@@ -264,8 +276,10 @@ class Watchdog:
                 self._abort()
 
     def _abort(self) -> None:
-        msg = (f"\nwatchdog: no training step completed for {self.seconds:.0f} s (watchdog_s); aborting with "
-               f"exit code {EXIT_HUNG}. Every thread's stack follows")
+        msg = (
+            f"\nwatchdog: no training step completed for {self.seconds:.0f} s (watchdog_s); aborting with "
+            f"exit code {EXIT_HUNG}. Every thread's stack follows"
+        )
         path = os.path.join(self.run_dir, f"hang-{os.getpid()}.txt")
         try:
             with open(path, "w") as f:

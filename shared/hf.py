@@ -50,15 +50,25 @@ def refuse(ok: bool, field: str, why: str) -> None:
 
 # ---------------------------------------------------------------- safetensors
 
-DTYPES = {"F64": np.dtype("float64"), "F32": np.dtype("float32"), "F16": np.dtype("float16"),
-          "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype("int64"), "I32": np.dtype("int32"),
-          "I16": np.dtype("int16"), "I8": np.dtype("int8"), "U8": np.dtype("uint8"), "BOOL": np.dtype("bool")}
+DTYPES = {
+    "F64": np.dtype("float64"),
+    "F32": np.dtype("float32"),
+    "F16": np.dtype("float16"),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "I64": np.dtype("int64"),
+    "I32": np.dtype("int32"),
+    "I16": np.dtype("int16"),
+    "I8": np.dtype("int8"),
+    "U8": np.dtype("uint8"),
+    "BOOL": np.dtype("bool"),
+}
 CODES = {v: k for k, v in DTYPES.items()}
 
 
 @dataclass(frozen=True)
 class Tensor:
     """One tensor to write: its name in the Hugging Face model, shape, dtype, and how to read it."""
+
     name: str
     shape: tuple
     dtype: np.dtype
@@ -90,8 +100,11 @@ def parse_size(text: str) -> int:
 def _header(tensors: list[Tensor]) -> bytes:
     head, offset = {"__metadata__": {"format": "pt"}}, 0
     for t in tensors:
-        head[t.name] = {"dtype": CODES[np.dtype(t.dtype)], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + t.nbytes]}
+        head[t.name] = {
+            "dtype": CODES[np.dtype(t.dtype)],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + t.nbytes],
+        }
         offset += t.nbytes
     raw = json.dumps(head, separators=(",", ":")).encode()
     return raw + b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
@@ -111,8 +124,13 @@ def write_safetensors(out: str, tensors: list[Tensor], max_shard_bytes: int, *, 
         groups[-1].append(t)
         size += t.nbytes
     files = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    bar = tqdm(total=sum(t.nbytes for t in tensors), unit="B", unit_scale=True, desc="writing safetensors",
-               disable=not progress)
+    bar = tqdm(
+        total=sum(t.nbytes for t in tensors),
+        unit="B",
+        unit_scale=True,
+        desc="writing safetensors",
+        disable=not progress,
+    )
     for fname, group in zip(files, groups):
         header = _header(group)
         with open(os.path.join(out, fname), "wb") as f:
@@ -121,13 +139,17 @@ def write_safetensors(out: str, tensors: list[Tensor], max_shard_bytes: int, *, 
             for t in group:
                 a = np.asarray(t.read())
                 if a.shape != tuple(t.shape) or a.dtype != t.dtype:
-                    raise HFError(f"tensor {t.name}: read {a.dtype}{list(a.shape)}, declared "
-                                  f"{t.dtype}{list(t.shape)} (the mapping is wrong)")
+                    raise HFError(
+                        f"tensor {t.name}: read {a.dtype}{list(a.shape)}, declared "
+                        f"{t.dtype}{list(t.shape)} (the mapping is wrong)"
+                    )
                 f.write(np.ascontiguousarray(a).tobytes())
                 bar.update(t.nbytes)
     bar.close()
-    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)},
-             "weight_map": {t.name: fname for fname, g in zip(files, groups) for t in g}}
+    index = {
+        "metadata": {"total_size": sum(t.nbytes for t in tensors)},
+        "weight_map": {t.name: fname for fname, g in zip(files, groups) for t in g},
+    }
     write_json(os.path.join(out, "model.safetensors.index.json"), index)
     return files
 
@@ -149,8 +171,10 @@ class Safetensors:
         elif os.path.isfile(single):
             files = ["model.safetensors"]
         else:
-            raise HFError(f"{directory}: no model.safetensors or model.safetensors.index.json "
-                          "(only safetensors weights are read, not pytorch_model.bin)")
+            raise HFError(
+                f"{directory}: no model.safetensors or model.safetensors.index.json "
+                "(only safetensors weights are read, not pytorch_model.bin)"
+            )
         self.entries = {}  # name -> (file, dtype, shape, offset)
         for fname in files:
             path = os.path.join(directory, fname)
@@ -168,8 +192,9 @@ class Safetensors:
                     raise HFError(f"{path}: tensor {name} has dtype {e.get('dtype')!r}, which is not read here")
                 begin, end = e["data_offsets"]
                 if 8 + n + end > size:
-                    raise HFError(f"{path}: tensor {name} ends at byte {8 + n + end} but the file has {size} "
-                                  "(truncated)")
+                    raise HFError(
+                        f"{path}: tensor {name} ends at byte {8 + n + end} but the file has {size} (truncated)"
+                    )
                 self.entries[name] = (path, DTYPES[e["dtype"]], tuple(e["shape"]), 8 + n + begin)
 
     def names(self) -> list[str]:
@@ -186,6 +211,7 @@ class Safetensors:
 
 
 # ---------------------------------------------------------------- config and tokenizer files
+
 
 def write_json(path: str, obj) -> None:
     with open(path, "w") as f:
@@ -209,9 +235,12 @@ def read_config(directory: str) -> dict:
 def check_architecture(hf: dict, architecture: str, model_type: str) -> None:
     """Refuse a config.json of another class, naming what it is."""
     archs = hf.get("architectures") or []
-    refuse(hf.get("model_type") == model_type, "model_type",
-           f"{hf.get('model_type')!r} ({', '.join(archs) or 'no architectures'}); this variant imports "
-           f"{model_type} ({architecture}) only")
+    refuse(
+        hf.get("model_type") == model_type,
+        "model_type",
+        f"{hf.get('model_type')!r} ({', '.join(archs) or 'no architectures'}); this variant imports "
+        f"{model_type} ({architecture}) only",
+    )
     refuse(not archs or archs == [architecture], "architectures", f"{archs}; this variant imports [{architecture!r}]")
 
 
@@ -219,10 +248,16 @@ def rope_theta(hf: dict, default: float) -> float:
     """The RoPE base of a config.json, refusing any RoPE scaling (old `rope_scaling` or new `rope_parameters`)."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling")
-    refuse(not scaling or scaling.get("rope_type", scaling.get("type")) == "default", "rope_scaling",
-           f"{scaling} is not supported: stencil's RoPE has no scaling (plain theta ** (-2i / head_dim) frequencies)")
-    refuse(params.get("rope_type", "default") == "default", "rope_parameters.rope_type",
-           f"{params.get('rope_type')!r} is not supported: stencil's RoPE has no scaling (rope_type 'default' only)")
+    refuse(
+        not scaling or scaling.get("rope_type", scaling.get("type")) == "default",
+        "rope_scaling",
+        f"{scaling} is not supported: stencil's RoPE has no scaling (plain theta ** (-2i / head_dim) frequencies)",
+    )
+    refuse(
+        params.get("rope_type", "default") == "default",
+        "rope_parameters.rope_type",
+        f"{params.get('rope_type')!r} is not supported: stencil's RoPE has no scaling (rope_type 'default' only)",
+    )
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     refuse(partial in (None, 1.0), "partial_rotary_factor", f"{partial}: stencil rotates the whole head_dim")
     return float(params.get("rope_theta", hf.get("rope_theta", default)))
@@ -231,6 +266,7 @@ def rope_theta(hf: dict, default: float) -> float:
 def tokenizer_eos(tokenizer_path: str) -> tuple[str, int]:
     """(the end-of-document token, its id) of a tokenizer.json: the first of shared/data.py's candidates it has."""
     from tokenizers import Tokenizer
+
     try:
         tok = Tokenizer.from_file(tokenizer_path)
     except Exception as e:
@@ -246,14 +282,24 @@ def hf_tokenizer(directory: str) -> str:
     """The tokenizer.json of a Hugging Face directory, for training from it (`--init_from hf:DIR`)."""
     path = os.path.join(directory, "tokenizer.json")
     if not os.path.isfile(path):
-        raise HFError(f"{directory}: no tokenizer.json (a fast tokenizer file is needed; pass --data.tokenizer "
-                      "to use another one with the same ids)")
+        raise HFError(
+            f"{directory}: no tokenizer.json (a fast tokenizer file is needed; pass --data.tokenizer "
+            "to use another one with the same ids)"
+        )
     tokenizer_eos(path)
     return path
 
 
-def write_model_dir(out: str, config: dict, tensors: list[Tensor], tokenizer_path: str, *,
-                    max_length: int, max_shard_bytes: int, progress: bool = True) -> str:
+def write_model_dir(
+    out: str,
+    config: dict,
+    tensors: list[Tensor],
+    tokenizer_path: str,
+    *,
+    max_length: int,
+    max_shard_bytes: int,
+    progress: bool = True,
+) -> str:
     """A complete Hugging Face model directory at `out` (which must not exist): config.json (`config`, plus
     the eos token's id as bos/eos/pad), generation_config.json, tokenizer.json and tokenizer_config.json,
     and the safetensors shards with their index. Written as `out.tmp` and renamed when complete.
@@ -275,9 +321,17 @@ def write_model_dir(out: str, config: dict, tensors: list[Tensor], tokenizer_pat
         write_json(os.path.join(tmp, "generation_config.json"), ids)  # no max_length: see the docstring
         shutil.copyfile(tokenizer_path, os.path.join(tmp, "tokenizer.json"))
         # stencil adds no BOS and ends every document with eos (shared/data.py)
-        write_json(os.path.join(tmp, "tokenizer_config.json"), {
-            "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "pad_token": eos,
-            "model_max_length": max_length, "add_bos_token": False, "clean_up_tokenization_spaces": False})
+        write_json(
+            os.path.join(tmp, "tokenizer_config.json"),
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": eos,
+                "pad_token": eos,
+                "model_max_length": max_length,
+                "add_bos_token": False,
+                "clean_up_tokenization_spaces": False,
+            },
+        )
         write_safetensors(tmp, tensors, max_shard_bytes, progress=progress)
         os.rename(tmp, out)
     except BaseException:
@@ -287,6 +341,7 @@ def write_model_dir(out: str, config: dict, tensors: list[Tensor], tokenizer_pat
 
 
 # ---------------------------------------------------------------- the stencil side
+
 
 class CheckpointLeaves:
     """A run's checkpoint read leaf by leaf (or one layer of a stacked leaf at a time), without restoring it.

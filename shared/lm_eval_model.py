@@ -54,37 +54,69 @@ def open_lm(args) -> tuple:
     """(StencilLM, a description of the weights) of the command's flags."""
     need_lm_eval()
     try:
-        w = load_weights(args.run_dir, init_from=args.init_from, step=args.step, variant=args.variant,
-                                  weights=args.weights, tokenizer=args.tokenizer, mesh_data=args.mesh_data,
-                                  mesh_model=args.mesh_model, mesh_expert=args.mesh_expert)
+        w = load_weights(
+            args.run_dir,
+            init_from=args.init_from,
+            step=args.step,
+            variant=args.variant,
+            weights=args.weights,
+            tokenizer=args.tokenizer,
+            mesh_data=args.mesh_data,
+            mesh_model=args.mesh_model,
+            mesh_expert=args.mesh_expert,
+        )
     except GenerateError as e:
         raise LMEvalError(str(e)) from e
     max_length = args.max_length or int(w["seq_len"] or 0)
     if not max_length:
         raise LMEvalError(f"{w['where']} records no seq_len: pass --max_length")
     batch = args.batch_size or 4 * rows_multiple(w["model"], w["cfg"], w["mesh"])
-    lm = StencilLM(w["model"], w["params"], w["cfg"], w["mesh"], w["tokenizer"], eos_id=w["eos_id"],
-                   max_length=max_length, batch_size=batch, seed=args.seed)
+    lm = StencilLM(
+        w["model"],
+        w["params"],
+        w["cfg"],
+        w["mesh"],
+        w["tokenizer"],
+        eos_id=w["eos_id"],
+        max_length=max_length,
+        batch_size=batch,
+        seed=args.seed,
+    )
     return lm, w["where"]
 
 
 def parser() -> argparse.ArgumentParser:
     doc = __doc__.split("\n\n")
-    p = argparse.ArgumentParser(prog="python -m shared.lm_eval_model", description="\n\n".join(doc[:3]),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run_dir", default="", help="a run directory (its newest complete checkpoint) or a checkpoint "
-                   "(RUN/checkpoints/step_XXXXXXXX, or a URL)")
+    p = argparse.ArgumentParser(
+        prog="python -m shared.lm_eval_model",
+        description="\n\n".join(doc[:3]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--run_dir",
+        default="",
+        help="a run directory (its newest complete checkpoint) or a checkpoint "
+        "(RUN/checkpoints/step_XXXXXXXX, or a URL)",
+    )
     p.add_argument("--init_from", default="", help="hf:DIR, a Hugging Face model directory, instead of a checkpoint")
     p.add_argument("--step", type=int, default=None, help="with a run directory: this step's checkpoint")
     p.add_argument("--variant", default="", help="the folder whose model.py to use (default: the checkpoint's)")
-    p.add_argument("--weights", choices=("auto", "params", "ema"), default="auto",
-                   help="auto: the moving average when the run kept one, else params")
+    p.add_argument(
+        "--weights",
+        choices=("auto", "params", "ema"),
+        default="auto",
+        help="auto: the moving average when the run kept one, else params",
+    )
     p.add_argument("--tokenizer", default="", help="tokenizer.json (default: the run's own, or DIR's)")
     p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
     p.add_argument("--include_path", default="", help="a folder of task YAMLs lm-eval reads too (evals/tasks)")
     p.add_argument("--limit", type=int, default=0, help="documents per task (0 = all)")
-    p.add_argument("--batch_size", type=int, default=0, help="rows per batch (default: 4 per device of the batch axes; "
-                   "rounded up to a multiple of them)")
+    p.add_argument(
+        "--batch_size",
+        type=int,
+        default=0,
+        help="rows per batch (default: 4 per device of the batch axes; rounded up to a multiple of them)",
+    )
     p.add_argument("--max_length", type=int, default=0, help="tokens a row holds (default: the run's seq_len)")
     p.add_argument("--num_fewshot", type=int, default=None, help="few-shot examples (default: each task's own)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of generation tasks that sample")
@@ -103,13 +135,21 @@ def run(args) -> int:
         raise LMEvalError(f"--out {args.out} exists; choose a new file (nothing is overwritten)")
     tasks = check_tasks(args.tasks, args.include_path)  # before the weights are read: a typo fails fast
     lm, where = open_lm(args)
-    print(f"lm-eval on {where}: tasks {tasks}, max_length {lm.max_length}, batch {lm.batch_size}, "
-          f"mesh {dict(lm.mesh.shape)}", file=sys.stderr)
+    print(
+        f"lm-eval on {where}: tasks {tasks}, max_length {lm.max_length}, batch {lm.batch_size}, "
+        f"mesh {dict(lm.mesh.shape)}",
+        file=sys.stderr,
+    )
     from lm_eval import evaluator, utils  # the `eval` extra: imported only when asked for
 
-    results = evaluator.simple_evaluate(model=lm, tasks=tasks, limit=args.limit or None,
-                                        num_fewshot=args.num_fewshot, task_manager=task_manager(args.include_path, tasks),
-                                        log_samples=args.log_samples)
+    results = evaluator.simple_evaluate(
+        model=lm,
+        tasks=tasks,
+        limit=args.limit or None,
+        num_fewshot=args.num_fewshot,
+        task_manager=task_manager(args.include_path, tasks),
+        log_samples=args.log_samples,
+    )
     if jax.process_index() != 0:
         return 0
     print(utils.make_table(results))

@@ -38,7 +38,7 @@ def per_device_bytes(x) -> int:
         return n
     div = 1
     for axes in spec:
-        for a in (axes if isinstance(axes, tuple) else (axes,)):
+        for a in axes if isinstance(axes, tuple) else (axes,):
             if a is not None:
                 div *= sharding.mesh.shape[a]
     return -(-n // div)
@@ -54,9 +54,13 @@ def estimate(state, loss, micro_batch, *, grad_accum: int = 1) -> dict:
     the scalar loss; `micro_batch`: the abstract batch of one micro-step. Call under the run's mesh."""
     residuals = jax.eval_shape(lambda p, b: jax.vjp(lambda q: loss(q, b), p)[1], state["params"], micro_batch)
     params = total_bytes(state["params"])
-    out = {"params": params, "optimizer": total_bytes({k: v for k, v in state.items() if k != "params"}),
-           "grads": params * (2 if grad_accum > 1 else 1), "activations": total_bytes(residuals),
-           "batch": total_bytes(micro_batch) * grad_accum}
+    out = {
+        "params": params,
+        "optimizer": total_bytes({k: v for k, v in state.items() if k != "params"}),
+        "grads": params * (2 if grad_accum > 1 else 1),
+        "activations": total_bytes(residuals),
+        "batch": total_bytes(micro_batch) * grad_accum,
+    }
     out["total"] = sum(out.values())
     return out
 

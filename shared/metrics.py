@@ -102,9 +102,19 @@ def move_rows_after(path: str, step: int, to: str) -> int:
 
 
 class Logger:
-    def __init__(self, run_dir: str, config: dict, *, total_steps: int, wandb_mode: str = "auto",
-                 project: str = "stencil", name: str | None = None, start_step: int = 0,
-                 process_index: int = 0, progress: bool = True):
+    def __init__(
+        self,
+        run_dir: str,
+        config: dict,
+        *,
+        total_steps: int,
+        wandb_mode: str = "auto",
+        project: str = "stencil",
+        name: str | None = None,
+        start_step: int = 0,
+        process_index: int = 0,
+        progress: bool = True,
+    ):
         self.active = process_index == 0
         self.run = None
         self.bar = None
@@ -126,11 +136,13 @@ class Logger:
         if mode != "disabled":
             import wandb
 
-            self.run = wandb.init(project=project, name=name, dir=run_dir, config=config, mode=mode,
-                                  resume="allow", id=name)
+            self.run = wandb.init(
+                project=project, name=name, dir=run_dir, config=config, mode=mode, resume="allow", id=name
+            )
         if progress:
-            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
-                            file=sys.stderr, disable=None)
+            self.bar = tqdm(
+                total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr, disable=None
+            )
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.active:

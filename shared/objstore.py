@@ -61,9 +61,11 @@ def request_retries() -> dict:
     except ValueError:
         ok = False
     if not ok:
-        raise StoreSettingError(f"STENCIL_STORE_RETRIES={raw!r}: expected RETRIES,FIRST_DELAY_S,MAX_DELAY_S with "
-                                f"0 <= RETRIES <= 1000 and 0 < FIRST_DELAY_S <= MAX_DELAY_S <= 3600 (default "
-                                f"{DEFAULT_RETRIES})")
+        raise StoreSettingError(
+            f"STENCIL_STORE_RETRIES={raw!r}: expected RETRIES,FIRST_DELAY_S,MAX_DELAY_S with "
+            f"0 <= RETRIES <= 1000 and 0 < FIRST_DELAY_S <= MAX_DELAY_S <= 3600 (default "
+            f"{DEFAULT_RETRIES})"
+        )
     return {"max_retries": n, "initial_delay": f"{first}s", "max_delay": f"{most}s"}
 
 
@@ -79,7 +81,7 @@ def is_url(location: str) -> bool:
 def kvstore_spec(location: str, *, read_only: bool = False) -> dict:
     """The tensorstore kvstore spec of a folder: a local path, file://, gs://bucket/prefix, s3://bucket/prefix
     (and http(s):// when `read_only`)."""
-    loc = location[len("file://"):] if location.startswith("file://") else location
+    loc = location[len("file://") :] if location.startswith("file://") else location
     if "\0" in loc:
         raise LocationError(f"{location!r}: contains a NUL byte")
     if not is_url(loc):
@@ -91,12 +93,17 @@ def kvstore_spec(location: str, *, read_only: bool = False) -> dict:
     scheme, rest = loc.split("://", 1)
     allowed = READABLE if read_only else WRITABLE
     if scheme in ("http", "https") and read_only:
-        return {"driver": "http", "base_url": loc.rstrip("/") + "/",
-                "context": {"http_request_retries": request_retries()}}
+        return {
+            "driver": "http",
+            "base_url": loc.rstrip("/") + "/",
+            "context": {"http_request_retries": request_retries()},
+        }
     bucket, _, prefix = rest.partition("/")
     if scheme not in allowed or not bucket:
-        raise LocationError(f"{location!r}: a location is a local path, file://PATH, gs://BUCKET[/PREFIX] or "
-                            f"s3://BUCKET[/PREFIX]" + (" (or, to read, http(s)://...)" if read_only else ""))
+        raise LocationError(
+            f"{location!r}: a location is a local path, file://PATH, gs://BUCKET[/PREFIX] or "
+            f"s3://BUCKET[/PREFIX]" + (" (or, to read, http(s)://...)" if read_only else "")
+        )
     if ".." in prefix.split("/"):
         raise LocationError(f"{location!r}: '..' is not allowed in an object-store prefix")
     path = prefix.strip("/") + "/" if prefix.strip("/") else ""
@@ -193,8 +200,11 @@ class Folder:
     def kv(self):
         if self._kv is None:
             try:
-                self._kv = store(self.root, read_only=True) if self.root.startswith(("http://", "https://")) \
+                self._kv = (
+                    store(self.root, read_only=True)
+                    if self.root.startswith(("http://", "https://"))
                     else store(self.root)
+                )
             except Exception as e:  # an unknown scheme, missing credentials: name the folder
                 raise self.error(f"{self.root}: cannot open this location with tensorstore ({e})") from e
         return self._kv

@@ -90,12 +90,13 @@ def _check(ok: bool, field: str, why: str) -> None:
 
 
 def parse_lr_mult(text: str) -> dict:
-    """"embedding=1.2,expert_matrix=0.5" -> {"embedding": 1.2, "expert_matrix": 0.5}; raises OptimError."""
+    """ "embedding=1.2,expert_matrix=0.5" -> {"embedding": 1.2, "expert_matrix": 0.5}; raises OptimError."""
     out = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         role, eq, value = part.partition("=")
-        _check(eq == "=" and role.strip() in ROLES, "optim.lr_mult",
-               f"{part!r} is not ROLE=VALUE with ROLE one of {ROLES}")
+        _check(
+            eq == "=" and role.strip() in ROLES, "optim.lr_mult", f"{part!r} is not ROLE=VALUE with ROLE one of {ROLES}"
+        )
         try:
             v = float(value)
         except ValueError:
@@ -121,7 +122,9 @@ class OptimConfig:
     def __post_init__(self):
         _check(self.schedule in SCHEDULES, "optim.schedule", f"must be one of {SCHEDULES}, got {self.schedule!r}")
         _check(0 < self.decay_frac <= 1, "optim.decay_frac", f"must be in (0, 1], got {self.decay_frac}")
-        _check(self.schedule_steps >= 0, "optim.schedule_steps", f"must be >= 0 (0 = --steps), got {self.schedule_steps}")
+        _check(
+            self.schedule_steps >= 0, "optim.schedule_steps", f"must be >= 0 (0 = --steps), got {self.schedule_steps}"
+        )
         parse_lr_mult(self.lr_mult)
         _check(0 <= self.momentum < 1, "optim.momentum", f"must be in [0, 1), got {self.momentum}")
         _check(1 <= self.ns_steps <= 20, "optim.ns_steps", f"must be in [1, 20], got {self.ns_steps}")
@@ -136,19 +139,29 @@ def make_schedule(oc: OptimConfig, lr: float, steps: int, warmup: int, min_lr_ra
     `oc.schedule_steps` > 0 the schedule spans that many steps instead of `steps` (the lr stays at its final
     value after them): a run extended past its first `--steps` keeps the schedule it was trained with."""
     steps = oc.schedule_steps or steps
-    _check(warmup < steps or warmup == 0, "optim.schedule_steps",
-           f"the schedule's {steps} steps end before the warmup ({warmup} steps) does")
+    _check(
+        warmup < steps or warmup == 0,
+        "optim.schedule_steps",
+        f"the schedule's {steps} steps end before the warmup ({warmup} steps) does",
+    )
     if oc.schedule == "cosine":
         return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, lr * min_lr_ratio)
     decay = max(1, round(oc.decay_frac * steps))
-    _check(warmup <= steps - decay, "optim.decay_frac",
-           f"warmup ({warmup} steps) and the decay ({decay} of {steps} steps) overlap")
-    parts = [optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr),
-             optax.linear_schedule(lr, lr * min_lr_ratio, decay)]
+    _check(
+        warmup <= steps - decay,
+        "optim.decay_frac",
+        f"warmup ({warmup} steps) and the decay ({decay} of {steps} steps) overlap",
+    )
+    parts = [
+        optax.linear_schedule(0.0, lr, warmup),
+        optax.constant_schedule(lr),
+        optax.linear_schedule(lr, lr * min_lr_ratio, decay),
+    ]
     return optax.join_schedules(parts, [warmup, steps - decay])
 
 
 # ---------------------------------------------------------------- Newton-Schulz
+
 
 def _mesh_axes(entry) -> tuple:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
@@ -204,6 +217,7 @@ def orthogonalize(u, w: Weight, steps: int):
 
 # ---------------------------------------------------------------- the optimizer
 
+
 def _sphere_norm(x, w: Weight):
     n = x.ndim
     return jnp.sqrt(jnp.sum(jnp.square(x.astype(jnp.float32)), axis=(w.fan_in % n, w.fan_out % n), keepdims=True))
@@ -226,8 +240,20 @@ def _kind(name: str, w: Weight) -> str:
     return "adam"
 
 
-def make(decl: dict, name: str, oc: OptimConfig, *, lr: float, steps: int, warmup: int, min_lr_ratio: float,
-         weight_decay: float, b1: float, b2: float, grad_clip: float):
+def make(
+    decl: dict,
+    name: str,
+    oc: OptimConfig,
+    *,
+    lr: float,
+    steps: int,
+    warmup: int,
+    min_lr_ratio: float,
+    weight_decay: float,
+    b1: float,
+    b2: float,
+    grad_clip: float,
+):
     """(optax.GradientTransformation, schedule) for the weights declared in `decl` (model.weights(cfg))."""
     _check(name in OPTIMIZERS, "optimizer", f"must be one of {OPTIMIZERS}, got {name!r}")
     schedule = make_schedule(oc, lr, steps, warmup, min_lr_ratio)
@@ -240,8 +266,12 @@ def make(decl: dict, name: str, oc: OptimConfig, *, lr: float, steps: int, warmu
         mu = [None if k == "none" else jnp.zeros_like(p, jnp.float32) for p, k in zip(ps, kinds)]
         nu = [jnp.zeros_like(p, jnp.float32) if k in ("adam", "adamh") else None for p, k in zip(ps, kinds)]
         radius = [_sphere_norm(p, w) if k in ("muonh", "adamh") else None for p, w, k in zip(ps, flat_decl, kinds)]
-        return {"count": jnp.zeros((), jnp.int32), "mu": treedef.unflatten(mu), "nu": treedef.unflatten(nu),
-                "radius": treedef.unflatten(radius)}
+        return {
+            "count": jnp.zeros((), jnp.int32),
+            "mu": treedef.unflatten(mu),
+            "nu": treedef.unflatten(nu),
+            "radius": treedef.unflatten(radius),
+        }
 
     def update(grads, state, params):
         gs, ps = treedef.flatten_up_to(grads), treedef.flatten_up_to(params)
@@ -275,7 +305,7 @@ def make(decl: dict, name: str, oc: OptimConfig, *, lr: float, steps: int, warmu
             else:
                 mu = b1 * mu + (1 - b1) * g
                 nu = b2 * nu + (1 - b2) * g * g
-                a = (mu / (1 - b1 ** count)) / (jnp.sqrt(nu / (1 - b2 ** count)) + oc.eps)
+                a = (mu / (1 - b1**count)) / (jnp.sqrt(nu / (1 - b2**count)) + oc.eps)
                 if k == "adamh":
                     u = hyperball(p, a, r, lr_w, w) - p.astype(jnp.float32)
                 else:
@@ -283,8 +313,12 @@ def make(decl: dict, name: str, oc: OptimConfig, *, lr: float, steps: int, warmu
             out_u.append(u.astype(p.dtype))
             out_mu.append(mu)
             out_nu.append(nu)
-        new = {"count": count, "mu": treedef.unflatten(out_mu), "nu": treedef.unflatten(out_nu),
-               "radius": state["radius"]}
+        new = {
+            "count": count,
+            "mu": treedef.unflatten(out_mu),
+            "nu": treedef.unflatten(out_nu),
+            "radius": state["radius"],
+        }
         return treedef.unflatten(out_u), new
 
     return optax.GradientTransformation(init, update), schedule
@@ -301,14 +335,16 @@ def state_specs(decl: dict, name: str) -> dict:
         spec = tuple(w.spec) + (None,) * (n - len(w.spec))
         return P(*(None if a in (w.fan_in % n, w.fan_out % n) else s for a, s in enumerate(spec)))
 
-    return {"count": P(),
-            "mu": treedef.unflatten([None if k == "none" else w.spec for w, k in zip(flat, kinds)]),
-            "nu": treedef.unflatten([w.spec if k in ("adam", "adamh") else None for w, k in zip(flat, kinds)]),
-            "radius": treedef.unflatten([radius_spec(w) if k in ("muonh", "adamh") else None
-                                         for w, k in zip(flat, kinds)])}
+    return {
+        "count": P(),
+        "mu": treedef.unflatten([None if k == "none" else w.spec for w, k in zip(flat, kinds)]),
+        "nu": treedef.unflatten([w.spec if k in ("adam", "adamh") else None for w, k in zip(flat, kinds)]),
+        "radius": treedef.unflatten([radius_spec(w) if k in ("muonh", "adamh") else None for w, k in zip(flat, kinds)]),
+    }
 
 
 def ema_update(ema, params, decay: float):
     """ema <- decay * ema + (1 - decay) * params, leaf by leaf (in the weights' dtype)."""
-    return jax.tree.map(lambda e, p: (decay * e.astype(jnp.float32) + (1 - decay) * p.astype(jnp.float32)
-                                      ).astype(e.dtype), ema, params)
+    return jax.tree.map(
+        lambda e, p: (decay * e.astype(jnp.float32) + (1 - decay) * p.astype(jnp.float32)).astype(e.dtype), ema, params
+    )

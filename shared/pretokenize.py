@@ -98,8 +98,17 @@ def _train(files: list[str], vocab_size: int, text_field: str):
     return sources.train_tokenizer(docs, vocab_size)
 
 
-def run(inputs: list[str], out: str, *, tokenizer: str = "", vocab_size: int = 0, text_field: str = "text",
-        workers: int = 1, shard: str = "0/1", progress: bool = True) -> dict | None:
+def run(
+    inputs: list[str],
+    out: str,
+    *,
+    tokenizer: str = "",
+    vocab_size: int = 0,
+    text_field: str = "text",
+    workers: int = 1,
+    shard: str = "0/1",
+    progress: bool = True,
+) -> dict | None:
     """Tokenize this host's part of the inputs into `out`; returns the manifest once the store is complete."""
     index, count = parse_shard(shard)
     if workers < 1:
@@ -122,8 +131,10 @@ def run(inputs: list[str], out: str, *, tokenizer: str = "", vocab_size: int = 0
             raise DataError(f"--tokenizer {tokenizer!r} does not exist")
         have = folder.read("tokenizer.json")
         if have is not None and have != raw:
-            raise DataError(f"{folder.name('tokenizer.json')}: differs from --tokenizer {tokenizer}; this store was "
-                            "started with another tokenizer (choose another --out)")
+            raise DataError(
+                f"{folder.name('tokenizer.json')}: differs from --tokenizer {tokenizer}; this store was "
+                "started with another tokenizer (choose another --out)"
+            )
         if have is None:
             sources.load_tokenizer(tokenizer)  # a clear error for a bad file, before anything is written
             folder.write("tokenizer.json", raw)
@@ -131,8 +142,10 @@ def run(inputs: list[str], out: str, *, tokenizer: str = "", vocab_size: int = 0
         if not vocab_size:
             raise DataError("give --tokenizer tokenizer.json, or --vocab_size N to train a byte-level BPE")
         if count > 1:
-            raise DataError("--shard i/n with n > 1 needs --tokenizer: train it once first (python -m "
-                            "shared.pretokenize SAMPLE --out DIR --vocab_size N), then pass DIR/tokenizer.json")
+            raise DataError(
+                "--shard i/n with n > 1 needs --tokenizer: train it once first (python -m "
+                "shared.pretokenize SAMPLE --out DIR --vocab_size N), then pass DIR/tokenizer.json"
+            )
         if progress:
             print(f"training a {vocab_size}-token BPE tokenizer on the inputs", file=sys.stderr)
         folder.write("tokenizer.json", _train(files, vocab_size, text_field).to_str().encode())
@@ -144,16 +157,21 @@ def run(inputs: list[str], out: str, *, tokenizer: str = "", vocab_size: int = 0
     if was is None:
         folder.write("plan.json", json.dumps(plan).encode())
     elif json.loads(was) != plan:
-        raise DataError(f"{folder.name('plan.json')}: this store was started with other inputs (or sizes), text_field "
-                        "or tokenizer; rerun with the same ones, or choose another --out")
+        raise DataError(
+            f"{folder.name('plan.json')}: this store was started with other inputs (or sizes), text_field "
+            "or tokenizer; rerun with the same ones, or choose another --out"
+        )
 
     folder.remove_stale("shards/")
     mine = [(i, f) for i, f in enumerate(files) if i % count == index]
     todo = [(i, f) for i, f in mine if tokenstore.read_marker(folder, i) is None]
     total = sum(os.path.getsize(f) for _, f in todo)
     if progress:
-        print(f"{out}: {len(mine)} of {len(files)} inputs are this host's ({shard}); {len(mine) - len(todo)} done, "
-              f"{len(todo)} to tokenize ({total / 1e6:.1f} MB) on {workers} worker(s)", file=sys.stderr)
+        print(
+            f"{out}: {len(mine)} of {len(files)} inputs are this host's ({shard}); {len(mine) - len(todo)} done, "
+            f"{len(todo)} to tokenize ({total / 1e6:.1f} MB) on {workers} worker(s)",
+            file=sys.stderr,
+        )
     t0 = time.perf_counter()
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not progress)
     if workers == 1 or len(todo) <= 1:
@@ -174,24 +192,41 @@ def run(inputs: list[str], out: str, *, tokenizer: str = "", vocab_size: int = 0
     missing = [i for i, m in enumerate(markers) if m is None]
     if missing:
         if progress:
-            print(f"{len(missing)} of {len(files)} shards are still missing (other hosts' part); the run that "
-                  "completes the last one writes manifest.json", file=sys.stderr)
+            print(
+                f"{len(missing)} of {len(files)} shards are still missing (other hosts' part); the run that "
+                "completes the last one writes manifest.json",
+                file=sys.stderr,
+            )
         return None
     if sum(m["docs"] for m in markers) == 0:
         raise DataError(f"the {len(files)} input file(s) hold no documents (all empty)")
-    manifest = tokenstore.write_manifest(folder, markers, tokenizer_sha256=tok_sha, vocab_size=tok.get_vocab_size(),
-                                         eos_id=eos)
+    manifest = tokenstore.write_manifest(
+        folder, markers, tokenizer_sha256=tok_sha, vocab_size=tok.get_vocab_size(), eos_id=eos
+    )
     if progress:
-        print(f"{out}: complete: {manifest['n_docs']} documents, {manifest['n_tokens']} tokens in "
-              f"{len(files)} shards", file=sys.stderr)
+        print(
+            f"{out}: complete: {manifest['n_docs']} documents, {manifest['n_tokens']} tokens in {len(files)} shards",
+            file=sys.stderr,
+        )
     return manifest
 
 
 def job_command(args, shard: str) -> str:
     """The command line one host of a multi-host job runs (shard: an i/n with a shell variable for i)."""
     import shlex
-    parts = ["python", "-m", "shared.pretokenize", *args.sources, "--out", args.out, "--workers", str(args.workers),
-             "--text_field", args.text_field]
+
+    parts = [
+        "python",
+        "-m",
+        "shared.pretokenize",
+        *args.sources,
+        "--out",
+        args.out,
+        "--workers",
+        str(args.workers),
+        "--text_field",
+        args.text_field,
+    ]
     if args.tokenizer:
         parts += ["--tokenizer", args.tokenizer]
     return " ".join(shlex.quote(p) for p in parts) + f" --shard {shard}"
@@ -244,24 +279,36 @@ spec:
 
 def shlex_quote(s: str) -> str:
     import shlex
+
     return shlex.quote(s)
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m shared.pretokenize", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("sources", nargs="+", help="input files, folders or globs (.txt .md .py .jsonl .jsonl.gz .jsonl.zst "
-                                               ".parquet)")
+    ap = argparse.ArgumentParser(
+        prog="python -m shared.pretokenize", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "sources", nargs="+", help="input files, folders or globs (.txt .md .py .jsonl .jsonl.gz .jsonl.zst .parquet)"
+    )
     ap.add_argument("--out", required=True, help="the token store: a folder, or a file:// gs:// s3:// URL")
     ap.add_argument("--tokenizer", default="", help="a tokenizers tokenizer.json (copied into the store)")
-    ap.add_argument("--vocab_size", type=int, default=0,
-                    help="without --tokenizer: train a byte-level BPE of this size")
+    ap.add_argument(
+        "--vocab_size", type=int, default=0, help="without --tokenizer: train a byte-level BPE of this size"
+    )
     ap.add_argument("--text_field", default="text", help="JSONL field / Parquet column holding the text")
-    ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1)), help="worker processes (default: "
-                    "one per CPU; each tokenizes on one thread)")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=max(1, (os.cpu_count() or 1)),
+        help="worker processes (default: one per CPU; each tokenizes on one thread)",
+    )
     ap.add_argument("--shard", default="0/1", help="i/n: tokenize the inputs whose index is i modulo n (one host of n)")
-    ap.add_argument("--emit", choices=("slurm", "k8s"), help="print a SLURM array script or a Kubernetes indexed Job "
-                    "that runs this command on --hosts hosts (host i: --shard i/n) and exit")
+    ap.add_argument(
+        "--emit",
+        choices=("slurm", "k8s"),
+        help="print a SLURM array script or a Kubernetes indexed Job "
+        "that runs this command on --hosts hosts (host i: --shard i/n) and exit",
+    )
     ap.add_argument("--hosts", type=int, default=1, help="with --emit: the number of hosts (array tasks, pods)")
     ap.add_argument("--image", default="REGISTRY/stencil:TAG", help="with --emit k8s: the container image")
     args = ap.parse_args(argv)
@@ -272,8 +319,15 @@ def main(argv=None) -> None:
         return
     os.environ.setdefault("RAYON_NUM_THREADS", "1")  # one thread per worker process: --workers is the parallelism
     try:
-        run(args.sources, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size, text_field=args.text_field,
-            workers=args.workers, shard=args.shard)
+        run(
+            args.sources,
+            args.out,
+            tokenizer=args.tokenizer,
+            vocab_size=args.vocab_size,
+            text_field=args.text_field,
+            workers=args.workers,
+            shard=args.shard,
+        )
     except DataError as e:
         sys.exit(f"error: {e}")
 

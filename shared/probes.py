@@ -24,8 +24,14 @@ from shared.evals.probes import KINDS, ProbeConfig, make_set, run_roles, set_nam
 
 
 def write(args) -> int:
-    cfg = ProbeConfig(sets=args.kind, mqar_pairs=args.mqar_pairs, mqar_gap=args.mqar_gap,
-                      passkey_depths=args.passkey_depth, passkey_len=args.passkey_len, copy_len=args.copy_len)
+    cfg = ProbeConfig(
+        sets=args.kind,
+        mqar_pairs=args.mqar_pairs,
+        mqar_gap=args.mqar_gap,
+        passkey_depths=args.passkey_depth,
+        passkey_len=args.passkey_len,
+        copy_len=args.copy_len,
+    )
     if args.seq_len < 2:
         raise ConfigError(f"--seq_len must be at least 2, got {args.seq_len}")
     cfg.check_fits(args.seq_len)
@@ -49,8 +55,11 @@ def write(args) -> int:
     os.makedirs(args.out, exist_ok=True)
     np.save(os.path.join(args.out, f"{args.kind}.npy"), tokens.ravel())
     tok.save(os.path.join(args.out, "tokenizer.json"))
-    print(f"wrote {args.n} {name} documents of {args.seq_len + 1} tokens to {args.out}/{args.kind}.npy, and the "
-          f"tokenizer they are ids of to {args.out}/tokenizer.json", file=sys.stderr)
+    print(
+        f"wrote {args.n} {name} documents of {args.seq_len + 1} tokens to {args.out}/{args.kind}.npy, and the "
+        f"tokenizer they are ids of to {args.out}/tokenizer.json",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -60,8 +69,11 @@ def parser() -> argparse.ArgumentParser:
     w = sub.add_parser("write", help="documents of one probe as a .npy (for a data mixture) and their tokenizer.json")
     w.add_argument("kind", choices=KINDS)
     w.add_argument("--out", required=True, help="a new (or empty) directory")
-    w.add_argument("--source", default="stdlib", help="the text source whose tokenizer to use (data.source; "
-                   "default stdlib, the CPU default's)")
+    w.add_argument(
+        "--source",
+        default="stdlib",
+        help="the text source whose tokenizer to use (data.source; default stdlib, the CPU default's)",
+    )
     w.add_argument("--tokenizer", default="", help="a tokenizer.json instead of the source's")
     w.add_argument("--vocab_size", type=int, default=4096, help="the run's model.vocab_size (default 4096)")
     w.add_argument("--seq_len", type=int, default=128, help="the run's seq_len: each document is seq_len + 1 tokens")

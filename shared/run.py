@@ -57,6 +57,7 @@ class RunConfig:
     """The settings of a run's surroundings, the same in every folder: every TrainConfig derives from it, so
     they are flags of every train.py (`--run_dir`, `--resume true`, ...). A folder changes a default by
     declaring the field again in its TrainConfig."""
+
     log_every: int = 10  # a metrics row and a log line every this many steps (and the first and last step)
     save_every: int = 100  # also saved at the end; 0 = only at the end
     keep_checkpoints: int = 3
@@ -96,6 +97,7 @@ class Preempted(Exception):
 
 # ---------------------------------------------------------------- where the run lives
 
+
 def pick_run_dir(cfg, variant: str) -> str:
     """--run_dir; else the run of a local --resume_from path; else for --resume (or a --resume_from step) the
     newest runs/<variant>-* with a checkpoint; else a new runs/<variant>-<time> (process 0's clock)."""
@@ -119,8 +121,10 @@ def find_checkpoint(cfg, run_dir: str, ckpt_dir: str) -> str | None:
     resume = cfg.resume or bool(cfg.resume_from)
     last = checkpoint.find(ckpt_dir, cfg.resume_from) if cfg.resume_from else checkpoint.latest(ckpt_dir)
     if last and not resume:
-        raise TrainingError(f"{run_dir} already has checkpoints ({os.path.basename(last)}); "
-                            "pass --resume true to continue it, or another --run_dir")
+        raise TrainingError(
+            f"{run_dir} already has checkpoints ({os.path.basename(last)}); "
+            "pass --resume true to continue it, or another --run_dir"
+        )
     if resume and not last:
         raise TrainingError(f"--resume: no complete checkpoint in {ckpt_dir}")
     return last
@@ -129,7 +133,7 @@ def find_checkpoint(cfg, run_dir: str, ckpt_dir: str) -> str | None:
 def _local(location: str) -> str | None:
     """The local path of a checkpoint location (a path or file://PATH); None for object storage."""
     if location.startswith("file://"):
-        return location[len("file://"):]
+        return location[len("file://") :]
     return None if checkpoint.is_url(location) else location
 
 
@@ -141,10 +145,12 @@ def later_branch(ckpt_dir: str, path: str, step: int) -> list[str]:
     later = checkpoint.later(ckpt_dir, step)
     if later and _local(ckpt_dir) is None:
         names = ", ".join(os.path.basename(p) for p in later)
-        raise TrainingError(f"--resume_from: {ckpt_dir} holds checkpoints after step {step} ({names}), which a later "
-                            f"--resume would continue instead of this branch; on object storage they are not moved "
-                            f"aside. Branch into a new run directory: --run_dir NEW --resume_from {path} (with "
-                            f"--checkpoint_dir elsewhere than {ckpt_dir})")
+        raise TrainingError(
+            f"--resume_from: {ckpt_dir} holds checkpoints after step {step} ({names}), which a later "
+            f"--resume would continue instead of this branch; on object storage they are not moved "
+            f"aside. Branch into a new run directory: --run_dir NEW --resume_from {path} (with "
+            f"--checkpoint_dir elsewhere than {ckpt_dir})"
+        )
     return later
 
 
@@ -163,9 +169,11 @@ def set_aside(run_dir: str, ckpt_dir: str, later: list[str], step: int) -> str:
     for path in later:
         names.append(os.path.basename(path))
         shutil.move(os.path.join(_local(ckpt_dir), names[-1]), os.path.join(aside, "checkpoints", names[-1]))
-    return (f"branching back to step {step}: the later checkpoints ({', '.join(names)}) and the {rows} metric rows "
-            f"after step {step} were moved aside to {aside} (kept: delete it when it is no longer wanted); "
-            f"--resume continues this branch")
+    return (
+        f"branching back to step {step}: the later checkpoints ({', '.join(names)}) and the {rows} metric rows "
+        f"after step {step} were moved aside to {aside} (kept: delete it when it is no longer wanted); "
+        f"--resume continues this branch"
+    )
 
 
 def data_stream(cfg, corpus) -> dict:
@@ -185,25 +193,40 @@ def refuse_resume(cfg, meta: dict, stream: dict, path: str) -> None:
     was = meta.get("stream", {})
     diff = {k: (was[k], v) for k, v in stream.items() if k in was and was[k] != v}
     if diff:
-        raise TrainingError(f"--resume: the data stream differs from {path}'s: {diff} (saved, now). A changed "
-                            "corpus, tokenizer or seq_len would change the data or the meaning of token ids")
+        raise TrainingError(
+            f"--resume: the data stream differs from {path}'s: {diff} (saved, now). A changed "
+            "corpus, tokenizer or seq_len would change the data or the meaning of token ids"
+        )
     if saved.get("optimizer", "adamw") != cfg.optimizer:  # another optimizer state: its tree does not match
-        raise TrainingError(f"--resume: {path} holds the state of --optimizer {saved.get('optimizer', 'adamw')}, "
-                            f"and this run asks for --optimizer {cfg.optimizer}: an optimizer state does not "
-                            f"carry over to another optimizer; resume with --optimizer "
-                            f"{saved.get('optimizer', 'adamw')}")
+        raise TrainingError(
+            f"--resume: {path} holds the state of --optimizer {saved.get('optimizer', 'adamw')}, "
+            f"and this run asks for --optimizer {cfg.optimizer}: an optimizer state does not "
+            f"carry over to another optimizer; resume with --optimizer "
+            f"{saved.get('optimizer', 'adamw')}"
+        )
     if (saved.get("optim", {}).get("ema", 0.0) > 0) != (cfg.optim.ema > 0):  # the average is in the state or not
-        raise TrainingError(f"--resume: {path} was saved with --optim.ema {saved.get('optim', {}).get('ema', 0.0)}"
-                            f" and this run asks for --optim.ema {cfg.optim.ema}: a weight average can be "
-                            "retuned on resume, not turned on or off")
+        raise TrainingError(
+            f"--resume: {path} was saved with --optim.ema {saved.get('optim', {}).get('ema', 0.0)}"
+            f" and this run asks for --optim.ema {cfg.optim.ema}: a weight average can be "
+            "retuned on resume, not turned on or off"
+        )
     if meta["step"] > (cfg.stop_at or cfg.steps):  # at the end itself the run is complete (Run.complete)
-        raise TrainingError(f"--resume: {path} is at step {meta['step']}, past the end of this run at step "
-                            f"{cfg.stop_at or cfg.steps} (--steps / --stop_at): it holds more steps than this "
-                            f"run asks for; pass --steps (or --stop_at) {meta['step']} or more")
+        raise TrainingError(
+            f"--resume: {path} is at step {meta['step']}, past the end of this run at step "
+            f"{cfg.stop_at or cfg.steps} (--steps / --stop_at): it holds more steps than this "
+            f"run asks for; pass --steps (or --stop_at) {meta['step']} or more"
+        )
 
 
-SCHEDULE_FIELDS = ("lr", "steps", "warmup_steps", "min_lr_ratio", "optim.schedule", "optim.decay_frac",
-                   "optim.schedule_steps")
+SCHEDULE_FIELDS = (
+    "lr",
+    "steps",
+    "warmup_steps",
+    "min_lr_ratio",
+    "optim.schedule",
+    "optim.decay_frac",
+    "optim.schedule_steps",
+)
 
 
 def schedule_change(cfg, meta: dict, lr_now: float, step: int) -> str | None:
@@ -218,15 +241,20 @@ def schedule_change(cfg, meta: dict, lr_now: float, step: int) -> str | None:
     def get(d, name):
         part, _, field = name.rpartition(".")
         return (d.get(part, {}) if part else d).get(field)
+
     changed = [k for k in SCHEDULE_FIELDS if get(was, k) != get(now, k)]
-    text = (f"warning: the learning-rate schedule changed at the resumed step {step}: step {step + 1} was to run at "
-            f"lr {saved:.3g} and runs at {lr_now:.3g} "
-            f"({', '.join(f'--{k} {get(was, k)} -> {get(now, k)}' for k in changed) or 'another schedule'})")
+    text = (
+        f"warning: the learning-rate schedule changed at the resumed step {step}: step {step + 1} was to run at "
+        f"lr {saved:.3g} and runs at {lr_now:.3g} "
+        f"({', '.join(f'--{k} {get(was, k)} -> {get(now, k)}' for k in changed) or 'another schedule'})"
+    )
     if changed == ["steps"]:  # an extended (or shortened) run: the schedule is computed from --steps
-        text += (f". The schedule spans --steps, so extending a run reshapes it: to keep the saved one pass "
-                 f"--optim.schedule_steps {get(was, 'optim.schedule_steps') or get(was, 'steps')}; for a fresh decay, "
-                 f"train with --optim.schedule wsd and resume from a checkpoint of its stable phase "
-                 f"(docs/train-loop.md, 'Extending a run')")
+        text += (
+            f". The schedule spans --steps, so extending a run reshapes it: to keep the saved one pass "
+            f"--optim.schedule_steps {get(was, 'optim.schedule_steps') or get(was, 'steps')}; for a fresh decay, "
+            f"train with --optim.schedule wsd and resume from a checkpoint of its stable phase "
+            f"(docs/train-loop.md, 'Extending a run')"
+        )
     return text
 
 
@@ -239,6 +267,7 @@ def profile_range(cfg) -> tuple[int, int] | None:
 
 
 # ---------------------------------------------------------------- the pieces of a running loop
+
 
 class Clock:
     """Training throughput between log lines: tokens over wall time, less the time spent `aside()` (evaluation,
@@ -288,8 +317,10 @@ class Profiler:
         if jax.process_index() == 0:
             with open(os.path.join(self.dir, "jit_train_step.hlo.txt"), "w") as f:
                 f.write(lowered.compile().as_text())
-        return (f"profile of steps {self.window[0]}-{self.window[1]}: {self.dir}; the top ops: "
-                f"python tools/profile_top.py {self.dir}")
+        return (
+            f"profile of steps {self.window[0]}-{self.window[1]}: {self.dir}; the top ops: "
+            f"python tools/profile_top.py {self.dir}"
+        )
 
 
 class Fetch:
@@ -308,8 +339,10 @@ class Fetch:
         step, m = self.pending
         self.pending, m = None, {k: float(v) for k, v in jax.device_get(m).items()}
         if not (math.isfinite(m["train/loss"]) and math.isfinite(m["optim/grad_norm"])):  # a bad update too
-            raise TrainingError(f"loss {m['train/loss']}, grad_norm {m['optim/grad_norm']} at step {step}; stopped "
-                                f"without saving. Last good checkpoint: {self.on_bad()} (untouched)")
+            raise TrainingError(
+                f"loss {m['train/loss']}, grad_norm {m['optim/grad_norm']} at step {step}; stopped "
+                f"without saving. Last good checkpoint: {self.on_bad()} (untouched)"
+            )
         self.losses[step] = m["train/loss"]
         return m
 
@@ -317,6 +350,7 @@ class Fetch:
 @dataclass
 class Due:
     """What the loop does after a step, beyond stepping."""
+
     log: bool = False
     eval: bool = False
     save: bool = False
@@ -329,6 +363,7 @@ class Due:
 
 
 # ---------------------------------------------------------------- the run
+
 
 class Run:
     """One training run's surroundings. Entering it picks the run directory, takes its lock, finds the
@@ -350,10 +385,13 @@ class Run:
         self.notes = []  # lines for the log once it is open
         try:
             if jax.process_index() == 0:  # the lock's holder; under it a run that wrote here meanwhile is not overrun
-                if find_checkpoint(cfg, self.run_dir, self.ckpt_dir) != self.checkpoint or \
-                        (self.checkpoint and checkpoint.later(self.ckpt_dir, self.start) != self.later):
-                    raise TrainingError(f"the checkpoints in {self.ckpt_dir} changed while this run started "
-                                        f"(another run?); start it again")
+                if find_checkpoint(cfg, self.run_dir, self.ckpt_dir) != self.checkpoint or (
+                    self.checkpoint and checkpoint.later(self.ckpt_dir, self.start) != self.later
+                ):
+                    raise TrainingError(
+                        f"the checkpoints in {self.ckpt_dir} changed while this run started "
+                        f"(another run?); start it again"
+                    )
                 if self.later:  # a branch back: the abandoned future is moved aside, kept
                     self.notes.append(set_aside(self.run_dir, self.ckpt_dir, self.later, self.start))
         except BaseException:
@@ -370,10 +408,17 @@ class Run:
         p, n = jax.process_index(), jax.process_count()
         self.corpus = data.load_corpus(data_cfg, cfg.model.vocab_size, progress=p == 0)
         self.stream = data_stream(cfg, self.corpus)
-        self.loader = data.make_loader(self.corpus, cfg.seq_len, cfg.batch_size, cfg.data.seed, process_index=p,
-                                       process_count=n)
-        self.evals = data.eval_sets(self.corpus, cfg.seq_len, cfg.batch_size // cfg.grad_accum, cfg.eval_batches,
-                                    process_index=p, process_count=n)
+        self.loader = data.make_loader(
+            self.corpus, cfg.seq_len, cfg.batch_size, cfg.data.seed, process_index=p, process_count=n
+        )
+        self.evals = data.eval_sets(
+            self.corpus,
+            cfg.seq_len,
+            cfg.batch_size // cfg.grad_accum,
+            cfg.eval_batches,
+            process_index=p,
+            process_count=n,
+        )
         if self.evaluator:  # its sets and checks, before anything is written (a refusal leaves no directory)
             self.evaluator.open(self.corpus, self.evals)
         self.start, self.end = 0, cfg.stop_at or cfg.steps
@@ -417,19 +462,30 @@ class Run:
         self.flops_per_token, self.schedule = flops_per_token, schedule
         self.peak, self.peak_src = (None, "") if quiet else flops.device_peak(cfg.model.compute_dtype)
         self.clock = Clock(cfg.batch_size * cfg.seq_len)
-        self.logger = metrics.Logger(self.run_dir, settings(cfg), total_steps=self.end,
-                                     wandb_mode="disabled" if quiet else cfg.wandb, name=os.path.basename(self.run_dir),
-                                     start_step=self.start, process_index=jax.process_index(), progress=not quiet)
+        self.logger = metrics.Logger(
+            self.run_dir,
+            settings(cfg),
+            total_steps=self.end,
+            wandb_mode="disabled" if quiet else cfg.wandb,
+            name=os.path.basename(self.run_dir),
+            start_step=self.start,
+            process_index=jax.process_index(),
+            progress=not quiet,
+        )
         if self.corpus.tokenizer is not None and jax.process_index() == 0 and not os.path.exists(self.tokenizer_file):
             self.corpus.tokenizer.save(self.tokenizer_file)  # never over the run's own
-        self.write(f"{self.variant}: {n_params / 1e6:.2f}M params, {flops_per_token / 1e6:.1f} MFLOP/token, mesh "
-                   f"{dict(mesh.shape)}, {cfg.batch_size * cfg.seq_len} tokens/step, steps {self.start}->{self.end}, "
-                   f"run dir {self.run_dir}")
+        self.write(
+            f"{self.variant}: {n_params / 1e6:.2f}M params, {flops_per_token / 1e6:.1f} MFLOP/token, mesh "
+            f"{dict(mesh.shape)}, {cfg.batch_size * cfg.seq_len} tokens/step, steps {self.start}->{self.end}, "
+            f"run dir {self.run_dir}"
+        )
         for name, why in self.skipped:
             self.write(f"resume: ignored {checkpoint.join(self.ckpt_dir, name)}: {why}")
         if self.complete:
-            self.write(f"this run is complete: {self.checkpoint} is at step {self.end}, its last step (--steps / "
-                       f"--stop_at); nothing to train. To train further, raise --steps (or --stop_at)")
+            self.write(
+                f"this run is complete: {self.checkpoint} is at step {self.end}, its last step (--steps / "
+                f"--stop_at); nothing to train. To train further, raise --steps (or --stop_at)"
+            )
         if not quiet:  # the peak MFU is against: said once, kept in run.json (tools/compare_runs.py compares peaks)
             self.write(f"MFU is against {self.peak / 1e9:,.1f} GFLOP/s per device: {self.peak_src}")
             self.logger.record("peak", {"per_device": self.peak, "source": self.peak_src})
@@ -469,10 +525,14 @@ class Run:
         first, stopping = step == self.start + 1, step != self.end and self.stop.requested()  # every process agrees
         eval_now = self.due(cfg.eval_every, step)
         can_sample = cfg.sample_tokens > 0 and self.corpus.tokenizer is not None
-        return Due(log=first or self.due(cfg.log_every, step) or eval_now, eval=eval_now,
-                   save=self.due(cfg.save_every, step) or stopping,
-                   sample=self.due(cfg.sample_every, step) and can_sample,
-                   stop=stopping, profile_end=self.profiler.ends_at(step))
+        return Due(
+            log=first or self.due(cfg.log_every, step) or eval_now,
+            eval=eval_now,
+            save=self.due(cfg.save_every, step) or stopping,
+            sample=self.due(cfg.sample_every, step) and can_sample,
+            stop=stopping,
+            profile_end=self.profiler.ends_at(step),
+        )
 
     def _pull(self) -> dict:
         m = self.fetched.pull()
@@ -499,22 +559,29 @@ class Run:
         evaluation (eval/*) follows on one line of its own."""
         tok_s = self.clock.tokens_per_second(step)
         if tok_s is not None:
-            row |= {"throughput/tokens_per_second": tok_s,
-                    "throughput/mfu": flops.mfu(self.flops_per_token, tok_s, self.mesh.size, self.peak)}
+            row |= {
+                "throughput/tokens_per_second": tok_s,
+                "throughput/mfu": flops.mfu(self.flops_per_token, tok_s, self.mesh.size, self.peak),
+            }
         if "eval/loss" in row:
             self.val_loss = row["eval/loss"]
         self.logger.log(step, row)
         text = {label: format(row[k], f) for k, (label, f) in shown.items() if k in row}
         self.logger.progress(step, **text)
         self.write(f"step {step:6d}  " + "  ".join(f"{k} {v}" for k, v in text.items()))
-        more = {k[len("eval/"):]: v for k, v in row.items() if k.startswith("eval/") and k not in shown}
+        more = {k[len("eval/") :]: v for k, v in row.items() if k.startswith("eval/") and k not in shown}
         if more:  # the rest of an evaluation, on one line: bpb, each source and set, the probes, lm-eval
             self.write("       eval  " + "  ".join(f"{k} {v:.4g}" for k, v in sorted(more.items())))
 
     def save(self, step: int, state) -> str:
         """Save asynchronously (the loop waits for the host copy only) with what a resume needs."""
-        meta = {"config": dataclasses.asdict(self.cfg), "loader": self.loader.state(), "variant": self.variant,
-                "stream": self.stream, "next_learning_rate": float(self.schedule(step))}  # the lr of step + 1
+        meta = {
+            "config": dataclasses.asdict(self.cfg),
+            "loader": self.loader.state(),
+            "variant": self.variant,
+            "stream": self.stream,
+            "next_learning_rate": float(self.schedule(step)),
+        }  # the lr of step + 1
         with self.clock.aside():
             self.saved = self.saver.save(self.ckpt_dir, step, state, meta, keep=self.cfg.keep_checkpoints)
         return self.saved
@@ -555,12 +622,21 @@ class Run:
     def preempted(self, step: int) -> None:
         """After a stop signal: wait for this step's save, say how to continue, raise Preempted (exit 75)."""
         self.saver.wait()
-        self.write(f"stopped by a signal after step {step}: saved {self.saved}; exiting with code "
-                   f"{guard.EXIT_PREEMPTED}. Continue with --resume true --run_dir {self.run_dir}")
+        self.write(
+            f"stopped by a signal after step {step}: saved {self.saved}; exiting with code "
+            f"{guard.EXIT_PREEMPTED}. Continue with --resume true --run_dir {self.run_dir}"
+        )
         raise Preempted(f"preempted after step {step}; checkpoint {self.saved}")
 
     def finish(self, state) -> dict:
         """Wait for the last save to complete; what main() returns."""
         self.saver.wait()
-        return {"run_dir": self.run_dir, "losses": self.fetched.losses, "val_loss": self.val_loss, "step": self.end,
-                "sample": self.sample, "state": state, "already_complete": self.complete}
+        return {
+            "run_dir": self.run_dir,
+            "losses": self.fetched.losses,
+            "val_loss": self.val_loss,
+            "step": self.end,
+            "sample": self.sample,
+            "state": state,
+            "already_complete": self.complete,
+        }

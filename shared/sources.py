@@ -48,6 +48,7 @@ EOS_CANDIDATES = (EOS, "<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 
 # ---------------------------------------------------------------- reading documents
 
+
 def stdlib_files() -> list[str]:
     """The standard library's .py files, without site-packages/dist-packages, sorted."""
     root = sysconfig.get_paths()["stdlib"]
@@ -70,8 +71,11 @@ def source_files(source: str) -> list[str]:
             continue
         pat = os.path.expanduser(pat)
         if os.path.isdir(pat):
-            found = [f for f in glob.glob(os.path.join(pat, "**", "*"), recursive=True)
-                     if f.endswith(TEXT_EXTS) and os.path.isfile(f)]
+            found = [
+                f
+                for f in glob.glob(os.path.join(pat, "**", "*"), recursive=True)
+                if f.endswith(TEXT_EXTS) and os.path.isfile(f)
+            ]
         else:
             found = [f for f in glob.glob(pat, recursive=True) if os.path.isfile(f)]
         if not found:
@@ -182,6 +186,7 @@ def docs_digest(docs: list[str]) -> str:
 
 # ---------------------------------------------------------------- tokenizer and cache
 
+
 def cache_dir(cfg: DataConfig) -> str:
     d = cfg.cache_dir or os.environ.get("STENCIL_CACHE") or os.path.expanduser("~/.cache/stencil")
     d = os.path.join(os.path.expanduser(d), "data")
@@ -203,13 +208,18 @@ def _atomic(path: str, write) -> None:
 def train_tokenizer(docs: list[str], vocab_size: int):
     """Byte-level BPE with one special token, trained on an evenly strided subset of docs."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     total = sum(len(d) for d in docs)
     stride = max(1, -(-total // TRAIN_BYTES))
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(docs[::stride], trainer)
     return tok
 
@@ -218,6 +228,7 @@ def load_tokenizer(path: str):
     """(tokenizer, its digest) from a tokenizer.json path or URL. The digest is the sha256 of the file
     `Tokenizer.save` writes (for such a file, of its bytes), so a copy saved by a run matches the original."""
     from tokenizers import Tokenizer
+
     if objstore.is_url(path):
         head, _, key = path.rpartition("/")
         raw = objstore.Folder(head, DataError).read(key)
@@ -262,13 +273,14 @@ def encode_documents(tok, docs: list[str], eos_id: int, vocab_size: int, progres
     parts = []
     with tqdm(total=len(docs), desc="tokenizing", unit="doc", disable=not progress) as bar:
         for i in range(0, len(docs), 64):  # 64 documents a call; the bar counts documents
-            for enc in tok.encode_batch_fast(docs[i:i + 64], add_special_tokens=False):  # no offsets: 2x faster
+            for enc in tok.encode_batch_fast(docs[i : i + 64], add_special_tokens=False):  # no offsets: 2x faster
                 parts.append(np.asarray(enc.ids + [eos_id], dtype=dtype))
-            bar.update(len(docs[i:i + 64]))
+            bar.update(len(docs[i : i + 64]))
     return np.concatenate(parts), np.cumsum([len(p) for p in parts], dtype=np.int64)
 
 
 # ---------------------------------------------------------------- token stores from sources (built once, in the cache)
+
 
 def build_store(path: str, write) -> TokenStore:
     """Build a cache store with write(folder) into a temporary folder, then rename it into place."""
@@ -289,8 +301,16 @@ def is_store(spec: str) -> bool:
     return objstore.is_url(spec) or os.path.isfile(os.path.join(os.path.expanduser(spec), "manifest.json"))
 
 
-def text_store(cfg: DataConfig, spec: str, tok, tok_digest: str, vocab_size: int, progress: bool,
-                docs: list[str] | None = None, digest: str = "") -> tuple[TokenStore, str]:
+def text_store(
+    cfg: DataConfig,
+    spec: str,
+    tok,
+    tok_digest: str,
+    vocab_size: int,
+    progress: bool,
+    docs: list[str] | None = None,
+    digest: str = "",
+) -> tuple[TokenStore, str]:
     """A text source tokenized once into a store in the cache: (store, digest of its documents)."""
     if docs is None:
         docs = read_documents(cfg, spec)
@@ -304,6 +324,7 @@ def text_store(cfg: DataConfig, spec: str, tok, tok_digest: str, vocab_size: int
         m = tokenstore.write_shard(folder, 0, tokens, tokenstore.build_docs(np.diff(ends, prepend=0), nbytes), spec)
         folder.write("tokenizer.json", tok.to_str().encode())
         tokenstore.write_manifest(folder, [m], tokenizer_sha256=tok_digest, vocab_size=vocab_size, eos_id=eos)
+
     return build_store(os.path.join(cache_dir(cfg), f"store-{key[:32]}"), write), digest
 
 
@@ -325,12 +346,17 @@ def npy_store(cfg: DataConfig, spec: str, tok, tok_digest: str, vocab_size: int)
     eos = eos_id_of(tok) if tok is not None else 0
     arr = np.asarray(arr).astype(tokenstore.token_dtype(vocab_size))
     if not (arr == eos).any():  # one document of all the ids: almost surely another end-of-document id
-        raise DataError(f"{path}: no end-of-document id ({eos}, "
-                        + (f"the eos of {cfg.tokenizer or 'the tokenizer'}" if tok is not None else
-                           "the id a .npy without a tokenizer ends its documents with")
-                        + f") among its {arr.size} token ids, so it holds no document boundary. End every "
-                        f"document with id {eos}" + ("" if tok is not None else
-                                                     " (or set --data.tokenizer to the tokenizer whose eos it uses)"))
+        raise DataError(
+            f"{path}: no end-of-document id ({eos}, "
+            + (
+                f"the eos of {cfg.tokenizer or 'the tokenizer'}"
+                if tok is not None
+                else "the id a .npy without a tokenizer ends its documents with"
+            )
+            + f") among its {arr.size} token ids, so it holds no document boundary. End every "
+            f"document with id {eos}"
+            + ("" if tok is not None else " (or set --data.tokenizer to the tokenizer whose eos it uses)")
+        )
     if arr[-1] != eos:
         arr = np.append(arr, np.asarray(eos, arr.dtype))
     digest = hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest()
@@ -341,8 +367,10 @@ def npy_store(cfg: DataConfig, spec: str, tok, tok_digest: str, vocab_size: int)
         m = tokenstore.write_shard(folder, 0, arr, tokenstore.build_docs(np.diff(ends, prepend=0), None), path)
         if tok is not None:
             folder.write("tokenizer.json", tok.to_str().encode())
-        tokenstore.write_manifest(folder, [m], tokenizer_sha256=tok_digest, vocab_size=vocab_size, eos_id=eos,
-                                  has_text=False)
+        tokenstore.write_manifest(
+            folder, [m], tokenizer_sha256=tok_digest, vocab_size=vocab_size, eos_id=eos, has_text=False
+        )
+
     return build_store(os.path.join(cache_dir(cfg), f"store-{key[:32]}"), write), digest
 
 
@@ -350,11 +378,14 @@ def open_store(spec: str, vocab_size: int, tok_digest: str | None, what: str) ->
     store = TokenStore(spec)
     where = store.folder.name("manifest.json")
     if store.vocab_size > vocab_size:
-        raise DataError(f"{where}: the store's vocabulary has {store.vocab_size} tokens but the model's "
-                        f"vocab_size is {vocab_size}")
+        raise DataError(
+            f"{where}: the store's vocabulary has {store.vocab_size} tokens but the model's vocab_size is {vocab_size}"
+        )
     if tok_digest is not None and store.tokenizer_sha256 != tok_digest:
-        raise DataError(f"{where}: tokenizer hash {store.tokenizer_sha256[:12] or '(none)'} does not match {what} "
-                        f"({tok_digest[:12] or '(none)'}): its token ids mean other text")
+        raise DataError(
+            f"{where}: tokenizer hash {store.tokenizer_sha256[:12] or '(none)'} does not match {what} "
+            f"({tok_digest[:12] or '(none)'}): its token ids mean other text"
+        )
     store.check_ids(vocab_size)
     return store
 

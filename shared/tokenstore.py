@@ -58,6 +58,7 @@ def sha256_file(path: str) -> str:
 
 # ---------------------------------------------------------------- writing
 
+
 def shard_key(index: int, ext: str) -> str:
     return f"shards/{index:05d}.{ext}"
 
@@ -69,10 +70,15 @@ def write_shard(folder: objstore.Folder, index: int, tokens: np.ndarray, docs: n
     tb, db = tokens.tobytes(), docs.tobytes()
     folder.write(shard_key(index, "tokens"), tb)
     folder.write(shard_key(index, "docs"), db)
-    marker = {"name": f"{index:05d}", "tokens": int(tokens.size), "docs": int(len(docs)),
-              "bytes": int(docs[:, 1].sum()) if len(docs) else 0,
-              "max_id": int(tokens.max()) if tokens.size else -1,
-              "sha256": hashlib.sha256(tb + db).hexdigest(), "input": input_name}
+    marker = {
+        "name": f"{index:05d}",
+        "tokens": int(tokens.size),
+        "docs": int(len(docs)),
+        "bytes": int(docs[:, 1].sum()) if len(docs) else 0,
+        "max_id": int(tokens.max()) if tokens.size else -1,
+        "sha256": hashlib.sha256(tb + db).hexdigest(),
+        "input": input_name,
+    }
     folder.write(shard_key(index, "json"), json.dumps(marker).encode())
     return marker
 
@@ -87,13 +93,27 @@ def read_marker(folder: objstore.Folder, index: int) -> dict | None:
         return None  # a marker cut short: redo the shard
 
 
-def write_manifest(folder: objstore.Folder, markers: list[dict], *, tokenizer_sha256: str, vocab_size: int, eos_id: int,
-                   has_text: bool = True) -> dict:
+def write_manifest(
+    folder: objstore.Folder,
+    markers: list[dict],
+    *,
+    tokenizer_sha256: str,
+    vocab_size: int,
+    eos_id: int,
+    has_text: bool = True,
+) -> dict:
     manifest = {
-        "format": FORMAT, "version": VERSION, "tokenizer_sha256": tokenizer_sha256, "vocab_size": int(vocab_size),
-        "eos_id": int(eos_id), "dtype": token_dtype(vocab_size).name,
-        "n_tokens": sum(m["tokens"] for m in markers), "n_docs": sum(m["docs"] for m in markers),
-        "n_bytes": sum(m["bytes"] for m in markers) if has_text else None, "shards": markers}
+        "format": FORMAT,
+        "version": VERSION,
+        "tokenizer_sha256": tokenizer_sha256,
+        "vocab_size": int(vocab_size),
+        "eos_id": int(eos_id),
+        "dtype": token_dtype(vocab_size).name,
+        "n_tokens": sum(m["tokens"] for m in markers),
+        "n_docs": sum(m["docs"] for m in markers),
+        "n_bytes": sum(m["bytes"] for m in markers) if has_text else None,
+        "shards": markers,
+    }
     folder.write("manifest.json", json.dumps(manifest, indent=1).encode())
     return manifest
 
@@ -109,6 +129,7 @@ def build_docs(lengths: np.ndarray, n_bytes: np.ndarray | None) -> np.ndarray:
 
 # ---------------------------------------------------------------- reading
 
+
 class TokenStore:
     """An opened token store: global token positions [0, n_tokens) over its shards in order."""
 
@@ -117,8 +138,10 @@ class TokenStore:
         self.root = self.folder.root
         raw = self.folder.read("manifest.json")
         if raw is None:
-            raise DataError(f"{self.folder.name('manifest.json')}: missing (not a token store, or its tokenize run "
-                            "has not finished: rerun the same command to complete it)")
+            raise DataError(
+                f"{self.folder.name('manifest.json')}: missing (not a token store, or its tokenize run "
+                "has not finished: rerun the same command to complete it)"
+            )
         try:
             m = json.loads(raw)
             if m.get("format") != FORMAT:
@@ -144,17 +167,24 @@ class TokenStore:
         """Every shard's largest token id (recorded when it was written) is below vocab_size."""
         for i, s in enumerate(self.shards):
             if s["max_id"] >= vocab_size:
-                raise DataError(f"{self.folder.name(shard_key(i, 'tokens'))}: token ids out of range: the largest is "
-                                f"{s['max_id']} but vocab_size is {vocab_size}")
+                raise DataError(
+                    f"{self.folder.name(shard_key(i, 'tokens'))}: token ids out of range: the largest is "
+                    f"{s['max_id']} but vocab_size is {vocab_size}"
+                )
 
     def _check_sizes(self) -> None:
         item = self.dtype.itemsize
-        files = [(shard_key(i, ext), want) for i, s in enumerate(self.shards)
-                 for ext, want in (("tokens", s["tokens"] * item), ("docs", s["docs"] * 16))]
+        files = [
+            (shard_key(i, ext), want)
+            for i, s in enumerate(self.shards)
+            for ext, want in (("tokens", s["tokens"] * item), ("docs", s["docs"] * 16))
+        ]
         if self.folder.url:  # ranged reads, all in flight at once: the last byte exists and nothing lies past it
             f = self.folder
-            pending = [(key, want, f.read_async(key, max(want - 1, 0), want), f.read_async(key, want, want + 1))
-                       for key, want in files]
+            pending = [
+                (key, want, f.read_async(key, max(want - 1, 0), want), f.read_async(key, want, want + 1))
+                for key, want in files
+            ]
             for key, want, last, past in pending:
                 last, past = f.result(key, last), f.result(key, past)
                 if last is None:
@@ -167,8 +197,9 @@ class TokenStore:
             if got is None:
                 raise DataError(f"{self.folder.name(key)}: missing shard file")
             if got != want:
-                raise DataError(f"{self.folder.name(key)}: truncated or altered shard: {got} bytes, the "
-                                f"manifest says {want}")
+                raise DataError(
+                    f"{self.folder.name(key)}: truncated or altered shard: {got} bytes, the manifest says {want}"
+                )
 
     def docs(self, shard: int) -> np.ndarray:
         """Shard's [docs, 2] (end, bytes) array: memory-mapped (local) or read once (URL)."""
@@ -190,8 +221,10 @@ class TokenStore:
             lo, hi = start - self.tok_starts[k], min(stop, self.tok_starts[k + 1]) - self.tok_starts[k]
             raw = self.folder.read(shard_key(k, "tokens"), int(lo) * item, int(hi) * item)
             if raw is None or len(raw) != (hi - lo) * item:
-                raise DataError(f"{self.folder.name(shard_key(k, 'tokens'))}: short read (the shard changed "
-                                "since the store was opened?)")
+                raise DataError(
+                    f"{self.folder.name(shard_key(k, 'tokens'))}: short read (the shard changed "
+                    "since the store was opened?)"
+                )
             out.append(np.frombuffer(raw, self.dtype))
             start = int(self.tok_starts[k + 1])
             k += 1

@@ -47,8 +47,10 @@ def _model_config(model, saved: dict, where: str):
     known = {f.name for f in dataclasses.fields(model.ModelConfig)}
     unknown = sorted(set(saved) - known)
     if unknown:
-        raise GenerateError(f"{where} has model fields this folder's ModelConfig lacks: {unknown} (was it saved "
-                            "by another version of the variant?)")
+        raise GenerateError(
+            f"{where} has model fields this folder's ModelConfig lacks: {unknown} (was it saved "
+            "by another version of the variant?)"
+        )
     try:
         return model.ModelConfig(**saved)
     except (TypeError, ValueError) as e:
@@ -60,7 +62,9 @@ def _checkpoint_path(source: str, step: int | None) -> tuple[str, str | None]:
     try:
         if checkpoint.is_url(source) or os.path.basename(source.rstrip("/")).startswith("step_"):
             if step is not None:
-                raise GenerateError(f"--step {step} with a checkpoint's path ({source}): give its run directory instead")
+                raise GenerateError(
+                    f"--step {step} with a checkpoint's path ({source}): give its run directory instead"
+                )
             path = checkpoint.find(os.path.dirname(source.rstrip("/")), source)
             run = os.path.dirname(os.path.dirname(os.path.abspath(path))) if not checkpoint.is_url(path) else None
             return path, run
@@ -88,8 +92,10 @@ def load_checkpoint(source: str, *, step=None, variant: str = "", weights: str =
     if not saved:
         raise GenerateError(f"{path} does not record the variant that saved it; pass --variant")
     if variant and os.path.basename(os.path.normpath(variant)) != saved:
-        raise GenerateError(f"{path} was saved by variant {saved!r}, not {variant!r}: its weights are another "
-                            f"model's (leave out --variant, or pass --variant {saved})")
+        raise GenerateError(
+            f"{path} was saved by variant {saved!r}, not {variant!r}: its weights are another "
+            f"model's (leave out --variant, or pass --variant {saved})"
+        )
     folder = _folder(variant or saved)
     model = load(os.path.join(folder if os.path.isabs(folder) else os.path.join(ROOT, folder), "model.py"))
     config = meta.get("config") or {}
@@ -98,14 +104,20 @@ def load_checkpoint(source: str, *, step=None, variant: str = "", weights: str =
     if weights == "ema" and not has_ema:
         raise GenerateError(f"--weights ema: {path} keeps no moving average (its run had optim.ema 0)")
     which = "ema" if weights == "ema" or (weights == "auto" and has_ema) else "params"
-    return dict(path=path, run=run, folder=folder, model=model, cfg=cfg, which=which, meta=meta,
-                seq_len=config.get("seq_len"))
+    return dict(
+        path=path, run=run, folder=folder, model=model, cfg=cfg, which=which, meta=meta, seq_len=config.get("seq_len")
+    )
 
 
 def add_mesh_flags(p: argparse.ArgumentParser) -> None:
     """--mesh_data / --mesh_model / --mesh_expert: the mesh a command loads a model onto (also
     shared/lm_eval_model.py's)."""
-    p.add_argument("--mesh_data", type=int, default=-1, help="devices on the data axis (-1 = all of them / the others; fewer: only the first data x model x expert devices)")
+    p.add_argument(
+        "--mesh_data",
+        type=int,
+        default=-1,
+        help="devices on the data axis (-1 = all of them / the others; fewer: only the first data x model x expert devices)",
+    )
     p.add_argument("--mesh_model", type=int, default=1, help="devices on the model (tensor-parallel) axis")
     p.add_argument("--mesh_expert", type=int, default=1, help="devices on the expert axis (moe_hero)")
 
@@ -122,8 +134,9 @@ def _hf_folder(hf_dir: str, variant: str) -> str:
         if os.path.isfile(os.path.join(ROOT, folder, "hf.py")):
             if load(os.path.join(ROOT, folder, "hf.py")).MODEL_TYPE == hf_cfg.get("model_type"):
                 return folder
-    raise GenerateError(f"--init_from {hf_dir}: no folder's hf.py imports model_type {hf_cfg.get('model_type')!r}; "
-                        "pass --variant")
+    raise GenerateError(
+        f"--init_from {hf_dir}: no folder's hf.py imports model_type {hf_cfg.get('model_type')!r}; pass --variant"
+    )
 
 
 def _mesh(folder: str, cfg, args):
@@ -148,8 +161,18 @@ def _mesh(folder: str, cfg, args):
         raise GenerateError(f"the mesh: {e}") from e
 
 
-def load_weights(source: str, *, init_from: str = "", step=None, variant: str = "", weights: str = "auto",
-                 tokenizer: str = "", mesh_data: int = -1, mesh_model: int = 1, mesh_expert: int = 1) -> dict:
+def load_weights(
+    source: str,
+    *,
+    init_from: str = "",
+    step=None,
+    variant: str = "",
+    weights: str = "auto",
+    tokenizer: str = "",
+    mesh_data: int = -1,
+    mesh_model: int = 1,
+    mesh_expert: int = 1,
+) -> dict:
     """What a command needs to run a model: a run directory or checkpoint (`source`) or `init_from` hf:DIR, read
     onto the folder's mesh. A dict: model (the folder's module), cfg, params, mesh, tokenizer, eos_id, seq_len
     (the run's, or DIR's max_position_embeddings; None if not recorded), folder, where (a description).
@@ -175,8 +198,10 @@ def load_weights(source: str, *, init_from: str = "", step=None, variant: str = 
         folder, model, cfg, seq_len = info["folder"], info["model"], info["cfg"], info["seq_len"]
         tok_path = tokenizer or (os.path.join(info["run"], "tokenizer.json") if info["run"] else "")
         if not tok_path or not os.path.isfile(tok_path):
-            raise GenerateError(f"no tokenizer: {tok_path or 'the checkpoint is not in a run directory'} does not exist; "
-                                "pass --tokenizer (the tokenizer.json the run trained with)")
+            raise GenerateError(
+                f"no tokenizer: {tok_path or 'the checkpoint is not in a run directory'} does not exist; "
+                "pass --tokenizer (the tokenizer.json the run trained with)"
+            )
         where = f"{info['path']} ({os.path.basename(folder)}, {info['which']})"
     try:
         tok, _ = sources.load_tokenizer(tok_path)
@@ -196,5 +221,14 @@ def load_weights(source: str, *, init_from: str = "", step=None, variant: str = 
                 params = checkpoint.restore(info["path"], target)[0][info["which"]]
             except checkpoint.CheckpointError as e:
                 raise GenerateError(f"{e} (is it a checkpoint of {os.path.basename(folder)}?)") from e
-    return dict(model=model, cfg=cfg, params=params, mesh=mesh, tokenizer=tok, eos_id=eos, seq_len=seq_len,
-                folder=folder, where=where)
+    return dict(
+        model=model,
+        cfg=cfg,
+        params=params,
+        mesh=mesh,
+        tokenizer=tok,
+        eos_id=eos,
+        seq_len=seq_len,
+        folder=folder,
+        where=where,
+    )

@@ -19,7 +19,9 @@ def load(path: str):
     """Import the Python file at `path` (once) and return the module."""
     path = os.path.abspath(path)
     rel = os.path.relpath(path, ROOT)
-    name = rel[:-3].replace(os.sep, ".") if not rel.startswith("..") else "stencil_ext." + path[1:-3].replace(os.sep, ".")
+    name = (
+        rel[:-3].replace(os.sep, ".") if not rel.startswith("..") else "stencil_ext." + path[1:-3].replace(os.sep, ".")
+    )
     if name in sys.modules:
         return sys.modules[name]
     if not os.path.exists(path):

@@ -74,12 +74,14 @@ class Weight:
 def normal(std: float) -> Callable:
     def draw(key, shape, dtype, spec):
         return std * jax.random.normal(key, shape, dtype, out_sharding=spec)
+
     return draw
 
 
 def uniform(lo: float, hi: float) -> Callable:
     def draw(key, shape, dtype, spec):
         return jax.random.uniform(key, shape, dtype, lo, hi, out_sharding=spec)
+
     return draw
 
 

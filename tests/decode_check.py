@@ -20,13 +20,14 @@ def decode_against_forward(model, cfg, mesh, params, lengths, steps: int, max_le
     rows = rng.integers(0, cfg.vocab_size, (B, max_len), dtype=np.int32)
     prompts = rng.integers(0, cfg.vocab_size, (B, longest), dtype=np.int32)
     for b, n in enumerate(lengths):
-        prompts[b, longest - n:] = rows[b, :n]
+        prompts[b, longest - n :] = rows[b, :n]
     row_axes = model.cache_specs(cfg)["pos"][0]
     put = lambda x: jax.device_put(x, NamedSharding(mesh, P(row_axes, *[None] * (x.ndim - 1))))  # noqa: E731
     with jax.set_mesh(mesh):
         cache = jax.jit(model.init_cache, static_argnums=(0, 1, 2))(cfg, B, max_len)
         logits, cache = jax.jit(lambda p, t, c, n: model.prefill(p, t, c, cfg, lengths=n))(
-            params, put(prompts), cache, put(lengths))
+            params, put(prompts), cache, put(lengths)
+        )
         step = jax.jit(lambda p, t, c: model.decode_step(p, t, c, cfg))
         out = [np.asarray(logits)]
         for i in range(steps):
@@ -34,8 +35,10 @@ def decode_against_forward(model, cfg, mesh, params, lengths, steps: int, max_le
             rows[np.arange(B), lengths + i] = token
             logits, cache = step(params, put(token), cache)
             out.append(np.asarray(logits))
-        fwds = [np.asarray(jax.jit(lambda p, t, c=c: model.forward(p, t, c))(params, put(rows)))
-                for c in forward_cfgs or [cfg]]
+        fwds = [
+            np.asarray(jax.jit(lambda p, t, c=c: model.forward(p, t, c))(params, put(rows)))
+            for c in forward_cfgs or [cfg]
+        ]
     found = []
     for fwd in fwds:
         err, same = 0.0, True

@@ -30,11 +30,17 @@ def fast_tier(folder: str) -> tuple:
 
     tree = ast.parse(open(os.path.join(ROOT, folder, "train.py")).read())
     for node in tree.body:
-        target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign) else None)
+        target = (
+            node.target
+            if isinstance(node, ast.AnnAssign)
+            else (node.targets[0] if isinstance(node, ast.Assign) else None)
+        )
         if isinstance(target, ast.Name) and target.id == "FAST_TIER":
             value = ast.literal_eval(node.value)
             unknown = set(value) - set(FAST_CHECKS)
-            assert not unknown, f"{folder}/train.py: FAST_TIER names {sorted(unknown)}; the long checks are {FAST_CHECKS}"
+            assert not unknown, (
+                f"{folder}/train.py: FAST_TIER names {sorted(unknown)}; the long checks are {FAST_CHECKS}"
+            )
             return tuple(value)
     return ()
 
@@ -107,7 +113,9 @@ def wrap_step(monkeypatch, train, on_call):
             state, m = step(state, batch)
             calls[0] += 1
             return on_call(calls[0], state, m) or (state, m)
+
         return wrapped
+
     monkeypatch.setattr(train, "make_train_step", made)
 
 
@@ -125,6 +133,7 @@ def wait_for_step(run_dir, step, proc, timeout=240):
 
 # ---------------------------------------------------------------- checkpoints
 
+
 def mesh(n, shape=None):
     shape = shape or (n, 1)
     return jax.make_mesh(shape, ("data", "model"), axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[:n])
@@ -133,9 +142,11 @@ def mesh(n, shape=None):
 def ckpt_tree(m):
     """A small state sharded over the mesh `m`: an fp32 matrix, a bf16 vector, an int step."""
     with jax.set_mesh(m):
-        return {"w": jax.device_put(jnp.arange(64 * 16, dtype=jnp.float32).reshape(64, 16), P("data", "model")),
-                "b": jax.device_put(jnp.arange(16, dtype=jnp.bfloat16), P(None)),
-                "step": jnp.asarray(7, jnp.int32)}
+        return {
+            "w": jax.device_put(jnp.arange(64 * 16, dtype=jnp.float32).reshape(64, 16), P("data", "model")),
+            "b": jax.device_put(jnp.arange(16, dtype=jnp.bfloat16), P(None)),
+            "step": jnp.asarray(7, jnp.int32),
+        }
 
 
 # ---------------------------------------------------------------- data

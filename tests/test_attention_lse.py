@@ -73,8 +73,11 @@ def api_sinks(q, k, v, sinks, seg, backend, **kw):
 def pallas_on_cpu(monkeypatch):
     """Make `backend="pallas"` run our kernels in interpret mode, and pallas and blocked run in blocks of 16
     (several per row)."""
-    monkeypatch.setitem(A.BACKENDS, "pallas", A.Backend("pallas", lambda: None, A._pallas_refuses,
-                                                        functools.partial(A._pallas, interpret=True)))
+    monkeypatch.setitem(
+        A.BACKENDS,
+        "pallas",
+        A.Backend("pallas", lambda: None, A._pallas_refuses, functools.partial(A._pallas, interpret=True)),
+    )
     monkeypatch.setattr(PALLAS, "default_block", lambda T: 16)
     monkeypatch.setattr(BLOCKED, "default_block", lambda T, window: 16)
 
@@ -90,8 +93,9 @@ def close(a, b, tol, what):
 def test_lse_is_logsumexp_of_the_masked_logits(case, backend, pallas_on_cpu):
     B, T, H, Hkv, D, kw, segments = CASES[case]
     q, k, v, seg, _, _ = inputs(B, T, H, Hkv, D, segments)
-    out, lse = jax.jit(lambda q, k, v: kernels.attention(q, k, v, segment_ids=seg, return_lse=True,
-                                                         backend=backend, **kw))(q, k, v)
+    out, lse = jax.jit(
+        lambda q, k, v: kernels.attention(q, k, v, segment_ids=seg, return_lse=True, backend=backend, **kw)
+    )(q, k, v)
     assert lse.shape == (B, T, H) and lse.dtype == jnp.float32
     want = jax.nn.logsumexp(dense_logits(q, k, seg, **kw), axis=-1).transpose(0, 2, 1)  # [B, H, T] -> [B, T, H]
     close(lse, want, 1e-5, "lse")
@@ -125,11 +129,19 @@ def test_lse_under_a_mesh_keeps_the_head_sharding(pallas_on_cpu):
         args = [jax.device_put(x, heads) for x in (q, k, v)] + [jax.device_put(seg, NamedSharding(mesh, P("data")))]
         for backend in ("reference", "blocked", "pallas"):
             for window in (None, 8):  # dense and blockwise reference paths
-                _, lse = jax.jit(lambda q, k, v, s: kernels.attention(
-                    q, k, v, segment_ids=s, window=window, return_lse=True, backend=backend))(*args)
+                _, lse = jax.jit(
+                    lambda q, k, v, s: kernels.attention(
+                        q, k, v, segment_ids=s, window=window, return_lse=True, backend=backend
+                    )
+                )(*args)
                 assert lse.sharding.spec == P("data", None, "model"), (backend, lse.sharding.spec)
-                ref = want if window is None else kernels.attention(q, k, v, segment_ids=seg, window=window,
-                                                                    return_lse=True, backend="reference")[1]
+                ref = (
+                    want
+                    if window is None
+                    else kernels.attention(
+                        q, k, v, segment_ids=seg, window=window, return_lse=True, backend="reference"
+                    )[1]
+                )
                 close(lse, ref, 1e-5, f"{backend} window={window} lse")
 
 
@@ -139,8 +151,9 @@ def test_backends_that_cannot_return_lse_refuse_it_by_name(monkeypatch):
     ran = []
     for name in ("cudnn", "flash4"):
         b = A.BACKENDS[name]
-        monkeypatch.setitem(A.BACKENDS, name, A.Backend(name, lambda: None, b.refuses,
-                                                        lambda *a, name=name, **kw: ran.append(name)))
+        monkeypatch.setitem(
+            A.BACKENDS, name, A.Backend(name, lambda: None, b.refuses, lambda *a, name=name, **kw: ran.append(name))
+        )
     monkeypatch.delenv("STENCIL_KERNELS", raising=False)
     q = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
     for name in ("cudnn", "flash4"):

@@ -27,11 +27,25 @@ def test_bench_checks_then_times_both_steps_and_reports_noise():
     """The hand-written plain step computes dense's math (loss, gradients and one optimizer step agree
     on packed documents, GQA, z-loss on, tied embeddings; else the tool refuses to time them), then
     the two are timed with the A/A noise beside them."""
-    p = run(BENCH, "--rounds", "2", "--steps-per-round", "1", *TINY, "--model.z_loss", "1e-3",
-            "--model.tie_embeddings", "true")
+    p = run(
+        BENCH,
+        "--rounds",
+        "2",
+        "--steps-per-round",
+        "1",
+        *TINY,
+        "--model.z_loss",
+        "1e-3",
+        "--model.tie_embeddings",
+        "true",
+    )
     assert p.returncode == 0, p.stdout + p.stderr
-    for line in ("losses, gradients and one-step parameters of A and B agree", "A/A' (noise)   wall",
-                 "A/B            wall", "of the best in-process fp32 matmul"):
+    for line in (
+        "losses, gradients and one-step parameters of A and B agree",
+        "A/A' (noise)   wall",
+        "A/B            wall",
+        "of the best in-process fp32 matmul",
+    ):
         assert line in p.stdout, p.stdout
 
 
@@ -53,12 +67,18 @@ def test_bench_attention_checks_then_times_backends_side_by_side(capsys, monkeyp
     assert [r[0] for r in rows] == ["blocked@8", "reference"] and rows[1][-2] == "1.000", rows
 
     A = importlib.import_module("shared.kernels.attention")
-    monkeypatch.setitem(A.BACKENDS, "wrong", A.Backend("wrong", lambda: None, lambda c: None,
-                                                       lambda q, k, v, **kw: A.reference(q, k, v, **kw) * 1.01))
+    monkeypatch.setitem(
+        A.BACKENDS,
+        "wrong",
+        A.Backend("wrong", lambda: None, lambda c: None, lambda q, k, v, **kw: A.reference(q, k, v, **kw) * 1.01),
+    )
     assert bench.main([*args, "--backends", "wrong,reference"]) == 1
     assert "['wrong'] disagree with reference" in capsys.readouterr().out
-    for bad, msg in ((["--shape", "2,16"], "five positive integers"), (["--backends", "nope"], "unknown attention"),
-                     (["--backends", "reference@8"], "only the blocked backend takes a block size")):
+    for bad, msg in (
+        (["--shape", "2,16"], "five positive integers"),
+        (["--backends", "nope"], "unknown attention"),
+        (["--backends", "reference@8"], "only the blocked backend takes a block size"),
+    ):
         with pytest.raises(SystemExit):
             bench.main([*args, *bad])
         assert msg in capsys.readouterr().err
@@ -72,8 +92,11 @@ def test_bench_step_times_two_attention_backends_side_by_side(capsys):
     flags = ["--rounds", "1", "--steps-per-round", "1", *TINY]
     assert bench.main([*flags, "--attention-backends", "blocked,reference"]) == 0
     out = capsys.readouterr().out
-    for line in ("attention=blocked, again wall", "A/A' (noise)   wall",
-                 "tokens/s (median wall); / attention=reference"):
+    for line in (
+        "attention=blocked, again wall",
+        "A/A' (noise)   wall",
+        "tokens/s (median wall); / attention=reference",
+    ):
         assert line in out, out
     with pytest.raises(SystemExit):
         bench.main([*flags, "--attention-backends", "nope"])
@@ -87,10 +110,18 @@ def test_gpu_benchmark_dry_run_plans_every_preset_first():
     assert len(jobs) == 10
     # each preset once with the first backend before any preset's second backend
     assert [j[-1] for j in jobs[:5]] == ["attention=cudnn"] * 5
-    assert {(j[0], j[1]) for j in jobs[:5]} == {("dense", "125m"), ("dense", "1b"), ("swa_hybrid", "1b_8k"),
-                                                 ("kda", "1b_8k"), ("moe_hero", "1b_a200m")}
-    for bad, msg in ((["--backends", "nope"], "unknown"), (["--jobs", "nope"], "no preset"),
-                     (["--budget", "0"], "--budget must be positive")):
+    assert {(j[0], j[1]) for j in jobs[:5]} == {
+        ("dense", "125m"),
+        ("dense", "1b"),
+        ("swa_hybrid", "1b_8k"),
+        ("kda", "1b_8k"),
+        ("moe_hero", "1b_a200m"),
+    }
+    for bad, msg in (
+        (["--backends", "nope"], "unknown"),
+        (["--jobs", "nope"], "no preset"),
+        (["--budget", "0"], "--budget must be positive"),
+    ):
         p = run(GPU, "--dry-run", *bad)
         assert p.returncode == 2 and msg in p.stderr, (bad, p.stderr)
 
@@ -100,18 +131,34 @@ def test_gpu_benchmark_runs_a_job_and_prints_the_table(tmp_path):
     """A real (tiny) job on CPU: the row has throughput, MFU and step time; memory is n/a on CPU.
     A second job past its own time limit is killed and reported, and the command still ends with its table."""
     flags = " ".join(TINY)
-    p = run(GPU, "--jobs", "dense:,swa_hybrid:", "--no-selfcheck", "--steps", "1", "--flags", flags, "--out", str(tmp_path))
+    p = run(
+        GPU, "--jobs", "dense:,swa_hybrid:", "--no-selfcheck", "--steps", "1", "--flags", flags, "--out", str(tmp_path)
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     rows = [json.loads(x) for x in open(tmp_path / "results.jsonl")]
-    assert [(r["variant"], r["backend"], r["status"]) for r in rows] == [("dense", "reference", "ok"),
-                                                                         ("swa_hybrid", "reference", "ok")]
+    assert [(r["variant"], r["backend"], r["status"]) for r in rows] == [
+        ("dense", "reference", "ok"),
+        ("swa_hybrid", "reference", "ok"),
+    ]
     assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["peak_mem_gib"] is None for r in rows)
     assert abs(rows[0]["step_s"] * rows[0]["tokens_per_s"] - 4 * 32) < 1e-6
     table = (tmp_path / "table.md").read_text()
     assert "| dense | (CPU default) | reference |" in table and "| n/a |" in table
 
-    p = run(GPU, "--jobs", "dense:", "--no-selfcheck", "--job-timeout", "3", "--steps", "100000", "--flags", flags,
-            "--out", str(tmp_path))  # far more steps than 3 s allow, even with a warm compilation cache
+    p = run(
+        GPU,
+        "--jobs",
+        "dense:",
+        "--no-selfcheck",
+        "--job-timeout",
+        "3",
+        "--steps",
+        "100000",
+        "--flags",
+        flags,
+        "--out",
+        str(tmp_path),
+    )  # far more steps than 3 s allow, even with a warm compilation cache
     assert p.returncode == 1
     assert json.loads(open(tmp_path / "results.jsonl").readline())["status"].startswith("timeout")
     assert "| dense | (CPU default) | reference |" in p.stdout
@@ -120,8 +167,19 @@ def test_gpu_benchmark_runs_a_job_and_prints_the_table(tmp_path):
 @pytest.mark.integration  # a subprocess timing real steps (the tool as a user runs it)
 def test_gpu_benchmark_budget_leaves_jobs_unrun(tmp_path):
     """A budget too small for any job: every job is listed as not run, nothing hangs."""
-    p = run(GPU, "--jobs", "dense:", "--no-selfcheck", "--budget", "2", "--job-timeout", "100",
-            "--out", str(tmp_path), timeout=120)
+    p = run(
+        GPU,
+        "--jobs",
+        "dense:",
+        "--no-selfcheck",
+        "--budget",
+        "2",
+        "--job-timeout",
+        "100",
+        "--out",
+        str(tmp_path),
+        timeout=120,
+    )
     rows = [json.loads(x) for x in open(tmp_path / "results.jsonl")]
     assert rows and all(r["status"] == "not run: budget" for r in rows), p.stdout + p.stderr
 
@@ -133,10 +191,25 @@ BENCH_GENERATE = os.path.join(ROOT, "tools", "bench_generate.py")
 def test_bench_generate_times_both_paths_and_sizes_the_cache():
     """Both greedy paths are timed (after agreeing); the cache table grows linearly for the template and
     stops growing at swa_hybrid's 64-token window in its local layers."""
-    p = run(BENCH_GENERATE, "--variants", "base,swa_hybrid", "--new", "8", "--rounds", "1", "--full-steps", "2",
-            "--lengths", "32,64,128")
+    p = run(
+        BENCH_GENERATE,
+        "--variants",
+        "base,swa_hybrid",
+        "--new",
+        "8",
+        "--rounds",
+        "1",
+        "--full-steps",
+        "2",
+        "--lengths",
+        "32,64,128",
+    )
     assert p.returncode == 0, p.stdout + p.stderr
-    rows = {tuple(line.split()[:3]): line.split() for line in p.stdout.splitlines() if line.startswith(("templates", "variants"))}
+    rows = {
+        tuple(line.split()[:3]): line.split()
+        for line in p.stdout.splitlines()
+        if line.startswith(("templates", "variants"))
+    }
     base, swa = rows[("templates/base", "CPU", "default")], rows[("variants/swa_hybrid", "CPU", "default")]
     assert base[3:9] == ["128.0", "KiB", "256.0", "KiB", "512.0", "KiB"] and base[-2:] == ["8", "B"], base
     assert swa[-2:] == ["96.0", "KiB"], swa  # 3 local layers x (k, v) x 64 slots x 2 heads x 32 x 4 bytes, + 8 B

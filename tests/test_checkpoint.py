@@ -21,9 +21,11 @@ def test_save_restore_onto_other_mesh(tmp_path):
     assert os.path.basename(path) == "step_00000007"
     for n, shape in ((8, (8, 1)), (2, (2, 1)), (1, (1, 1))):
         m = mesh(n, shape)
-        target = {"w": jax.ShapeDtypeStruct((64, 16), jnp.float32, sharding=NamedSharding(m, P("data", None))),
-                  "b": jax.ShapeDtypeStruct((16,), jnp.bfloat16, sharding=NamedSharding(m, P(None))),
-                  "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(m, P()))}
+        target = {
+            "w": jax.ShapeDtypeStruct((64, 16), jnp.float32, sharding=NamedSharding(m, P("data", None))),
+            "b": jax.ShapeDtypeStruct((16,), jnp.bfloat16, sharding=NamedSharding(m, P(None))),
+            "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(m, P())),
+        }
         got, meta = checkpoint.restore(path, target)
         assert meta["step"] == 7 and meta["loader"] == {"seed": 0, "position": 56}
         assert got["w"].sharding.mesh.size == n
@@ -75,7 +77,10 @@ def test_keeps_last_n(tmp_path):
     src = ckpt_tree(mesh(1))
     for s in range(1, 6):
         checkpoint.save(str(tmp_path), s, src, {}, keep=2)
-    assert [os.path.basename(p) for p in checkpoint.all_checkpoints(str(tmp_path))] == ["step_00000004", "step_00000005"]
+    assert [os.path.basename(p) for p in checkpoint.all_checkpoints(str(tmp_path))] == [
+        "step_00000004",
+        "step_00000005",
+    ]
 
 
 def test_keep_counts_complete_checkpoints_and_deletes_older_ones_unread(tmp_path):
@@ -88,8 +93,10 @@ def test_keep_counts_complete_checkpoints_and_deletes_older_ones_unread(tmp_path
     checkpoint.save(str(tmp_path), 4, src, {}, keep=2)
     names = lambda: sorted(p.name for p in tmp_path.iterdir())  # noqa: E731
     assert names() == ["step_00000002", "step_00000003", "step_00000004"]  # 2 kept: 3 does not count
-    assert [os.path.basename(p) for p in checkpoint.all_checkpoints(str(tmp_path))] == ["step_00000002",
-                                                                                         "step_00000004"]
+    assert [os.path.basename(p) for p in checkpoint.all_checkpoints(str(tmp_path))] == [
+        "step_00000002",
+        "step_00000004",
+    ]
     checkpoint.save(str(tmp_path), 5, src, {}, keep=2)
     assert names() == ["step_00000004", "step_00000005"]  # the damaged 3 older than both: deleted
 
@@ -106,6 +113,7 @@ def test_mismatch_names_the_leaf(tmp_path):
 
 # ---------------------------------------------------------------- never a bad state, integrity
 
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_nonfinite_state_is_never_saved(tmp_path, mode):
     """Synchronous: save() raises. Asynchronous: the background check of the host copy refuses it
@@ -115,8 +123,11 @@ def test_a_nonfinite_state_is_never_saved(tmp_path, mode):
     good = checkpoint.save(str(tmp_path), 1, src, {})
     with jax.set_mesh(m):
         bad = dict(src, w=src["w"].at[3, 5].set(jnp.nan, out_sharding=P("data", "model")))
-    with pytest.raises(checkpoint.CheckpointError, match=r"not saving step 2: non-finite values in 1 leaves.*\['w'\]"
-                                                         r".*step_00000001"):
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=r"not saving step 2: non-finite values in 1 leaves.*\['w'\]"
+        r".*step_00000001",
+    ):
         if mode == "sync":
             checkpoint.save(str(tmp_path), 2, bad, {})
         else:
@@ -131,8 +142,9 @@ def _two_checkpoints(tmp_path):
     src = ckpt_tree(mesh(8, (4, 2)))
     first = checkpoint.save(str(tmp_path), 1, src, {})
     second = checkpoint.save(str(tmp_path), 2, src, {})
-    chunks = sorted(p for p in (tmp_path / "step_00000002" / "arrays" / "w").rglob("*") if p.is_file()
-                    and p.name != "zarr.json")
+    chunks = sorted(
+        p for p in (tmp_path / "step_00000002" / "arrays" / "w").rglob("*") if p.is_file() and p.name != "zarr.json"
+    )
     assert len(chunks) == 8  # one chunk per shard of the 4 x 2 mesh
     return src, first, second, chunks
 
@@ -155,8 +167,11 @@ def test_a_missing_chunk_is_an_error_never_zeros(tmp_path):
     src, first, second, chunks = _two_checkpoints(tmp_path)
     chunks[3].unlink()
     rel = os.path.relpath(chunks[3], tmp_path / "step_00000002")
-    with pytest.raises(checkpoint.CheckpointError, match=rf"{second} is damaged: {rel} is missing.*"
-                                                         r"Complete checkpoints: \['step_00000001'\]"):
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=rf"{second} is damaged: {rel} is missing.*"
+        r"Complete checkpoints: \['step_00000001'\]",
+    ):
         checkpoint.latest(str(tmp_path))
     assert checkpoint.all_checkpoints(str(tmp_path)) == [first]
     with pytest.raises(checkpoint.CheckpointError, match="is missing"):
@@ -181,8 +196,11 @@ def test_unreadable_metadata_is_named(tmp_path):
     _, _, second, _ = _two_checkpoints(tmp_path)
     with open(os.path.join(second, "metadata.json"), "w") as f:
         f.write('{"step": 2, "lea')
-    with pytest.raises(checkpoint.CheckpointError, match=r"step_00000002 is damaged: metadata.json unreadable"
-                                                         r".*Complete checkpoints: \['step_00000001'\]"):
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=r"step_00000002 is damaged: metadata.json unreadable"
+        r".*Complete checkpoints: \['step_00000001'\]",
+    ):
         checkpoint.latest(str(tmp_path))
 
 
@@ -228,8 +246,14 @@ def test_a_failing_disk_leaves_no_partial_save_and_the_last_checkpoint_intact(tm
 
     from conftest import ROOT
 
-    out = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path / "ck")], capture_output=True, text=True,
-                         cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", FULL_DISK, str(tmp_path / "ck")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ERROR saving step 2 to" in out.stdout and "partial files were removed" in out.stdout, out.stdout
     assert "the last checkpoint is " + str(tmp_path / "ck" / "step_00000001") in out.stdout, out.stdout

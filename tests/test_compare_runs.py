@@ -28,8 +28,15 @@ def write_run(path, rows, config=None, lines=None):
 
 
 def row(step, loss, val=None, tok_s=1000.0, mfu=0.1):
-    r = {"step": step, "train/loss": loss, "train/z": 1.0, "optim/grad_norm": 0.5, "optim/learning_rate": 1e-3,
-         "throughput/tokens_per_second": tok_s, "throughput/mfu": mfu}
+    r = {
+        "step": step,
+        "train/loss": loss,
+        "train/z": 1.0,
+        "optim/grad_norm": 0.5,
+        "optim/learning_rate": 1e-3,
+        "throughput/tokens_per_second": tok_s,
+        "throughput/mfu": mfu,
+    }
     if val is not None:
         r["eval/loss"] = val
     return r
@@ -43,24 +50,38 @@ def test_runs_logged_under_the_old_names_load_the_same(tmp_path):
     old_rows = [{back.get(k, k): v for k, v in r.items()} for r in rows]
     old = cr.load_run(write_run(tmp_path / "old", old_rows), "old")
     assert "loss" in old_rows[0] and "val_loss" in old_rows[0]
-    assert (old.steps, old.loss, old.val_steps, old.val_loss, old.tokens_per_s, old.mfu) == \
-        (new.steps, new.loss, new.val_steps, new.val_loss, new.tokens_per_s, new.mfu) == \
-        ([10, 20], [5.0, 4.0], [10, 20], [5.5, 4.5], [100.0, 200.0], [0.1, 0.2])
+    assert (
+        (old.steps, old.loss, old.val_steps, old.val_loss, old.tokens_per_s, old.mfu)
+        == (new.steps, new.loss, new.val_steps, new.val_loss, new.tokens_per_s, new.mfu)
+        == ([10, 20], [5.0, 4.0], [10, 20], [5.5, 4.5], [100.0, 200.0], [0.1, 0.2])
+    )
 
 
 @pytest.fixture
 def two_runs(tmp_path):
     """a: batch 4 x seq 8, val at 20 and 30, resumed at 20 (steps 20 and 30 logged twice);
     b: batch 8 x seq 16, no val_loss, a NaN loss and a NaN throughput row."""
-    a = write_run(tmp_path / "x" / "a", [
-        row(10, 5.0, tok_s="nan", mfu="nan"), row(20, 4.0, val=4.5, tok_s=100.0, mfu=0.01),
-        row(30, 3.9, val=4.6, tok_s=999.0, mfu=0.5),  # the first attempt; replaced after the resume
-        row(20, 4.1, val=4.4, tok_s=200.0, mfu=0.02), row(30, 3.5, val=4.2, tok_s=300.0, mfu=0.03),
-        row(40, 3.0, val=4.3, tok_s=1000.0, mfu=0.5),
-    ], {"batch_size": 4, "seq_len": 8, "lr": 3e-3})
-    b = write_run(tmp_path / "y" / "b", [
-        row(10, 6.0, tok_s="nan"), row(20, "nan", tok_s=50.0), row(30, 2.0, tok_s=70.0),
-    ], {"batch_size": 8, "seq_len": 16})
+    a = write_run(
+        tmp_path / "x" / "a",
+        [
+            row(10, 5.0, tok_s="nan", mfu="nan"),
+            row(20, 4.0, val=4.5, tok_s=100.0, mfu=0.01),
+            row(30, 3.9, val=4.6, tok_s=999.0, mfu=0.5),  # the first attempt; replaced after the resume
+            row(20, 4.1, val=4.4, tok_s=200.0, mfu=0.02),
+            row(30, 3.5, val=4.2, tok_s=300.0, mfu=0.03),
+            row(40, 3.0, val=4.3, tok_s=1000.0, mfu=0.5),
+        ],
+        {"batch_size": 4, "seq_len": 8, "lr": 3e-3},
+    )
+    b = write_run(
+        tmp_path / "y" / "b",
+        [
+            row(10, 6.0, tok_s="nan"),
+            row(20, "nan", tok_s=50.0),
+            row(30, 2.0, tok_s=70.0),
+        ],
+        {"batch_size": 8, "seq_len": 16},
+    )
     return a, b
 
 
@@ -85,7 +106,9 @@ def test_plotted_curves_by_step_and_tokens(two_runs):
     assert right["a val"] == ([640, 960, 1280], [4.4, 4.2, 4.3])
     assert left["b train"][0] == [10, 20, 30] and same(left["b train"][1], [6.0, math.nan, 2.0])
     assert right["b train"][0] == [1280, 2560, 3840]  # 8 * 16 tokens per step
-    styles = {line.get_label(): (line.get_linestyle(), line.get_marker(), line.get_color()) for line in by_step.get_lines()}
+    styles = {
+        line.get_label(): (line.get_linestyle(), line.get_marker(), line.get_color()) for line in by_step.get_lines()
+    }
     assert styles["a train"][:2] == ("-", "None") and styles["a val"][:2] == ("--", "o")
     assert styles["a train"][2] == styles["a val"][2] != styles["b train"][2]  # one colour per run
     assert [t.get_text() for t in by_step.get_legend().get_texts()] == ["a train", "a val", "b train"]
@@ -122,10 +145,15 @@ def test_config_fallbacks_labels_and_params(tmp_path, capsys):
     for step, batch in ((5, 99), (10, 2), (15, 77)):
         d = tmp_path / "p" / "run" / "checkpoints" / (f"step_{step:08d}" + (".tmp" if step == 15 else ""))
         d.mkdir(parents=True)
-        leaves = {"params.embed": {"shape": [10, 4], "dtype": "float32"}, "params.norm": {"shape": [4], "dtype": "float32"},
-                  "opt.0.mu.embed": {"shape": [10, 4], "dtype": "float32"}, "step": {"shape": [], "dtype": "int32"}}
-        (d / "metadata.json").write_text(json.dumps({"step": step, "config": {"batch_size": batch, "seq_len": 3},
-                                                     "leaves": leaves}))
+        leaves = {
+            "params.embed": {"shape": [10, 4], "dtype": "float32"},
+            "params.norm": {"shape": [4], "dtype": "float32"},
+            "opt.0.mu.embed": {"shape": [10, 4], "dtype": "float32"},
+            "step": {"shape": [], "dtype": "int32"},
+        }
+        (d / "metadata.json").write_text(
+            json.dumps({"step": step, "config": {"batch_size": batch, "seq_len": 3}, "leaves": leaves})
+        )
     two = write_run(tmp_path / "q" / "run", rows)  # neither config.json nor a checkpoint
     res = cr.compare([one, two], str(tmp_path / "out"))
     assert [s["label"] for s in res["runs"]] == ["p/run", "q/run"]  # same basename: parent/basename
@@ -179,22 +207,29 @@ def test_cli(two_runs, tmp_path):
 
 
 def test_logger_writes_config_json(tmp_path):
-    log = metrics.Logger(str(tmp_path / "run"), {"batch_size": 4, "seq_len": 8}, total_steps=1,
-                         wandb_mode="disabled", progress=False)
+    log = metrics.Logger(
+        str(tmp_path / "run"), {"batch_size": 4, "seq_len": 8}, total_steps=1, wandb_mode="disabled", progress=False
+    )
     log.close()
     assert json.loads((tmp_path / "run" / "config.json").read_text()) == {"batch_size": 4, "seq_len": 8}
     assert sorted(os.listdir(tmp_path / "run")) == ["config.json", "metrics.jsonl"]  # no temp file left
-    metrics.Logger(str(tmp_path / "p1"), {"batch_size": 4}, total_steps=1, wandb_mode="disabled",
-                   process_index=1).close()
+    metrics.Logger(
+        str(tmp_path / "p1"), {"batch_size": 4}, total_steps=1, wandb_mode="disabled", process_index=1
+    ).close()
     assert not (tmp_path / "p1").exists()
 
 
 def test_any_logged_metric_is_plotted_and_summarized(tmp_path, capsys):
     """--metric: eval/bpb (how runs with different tokenizers compare), a named set's by pattern, a probe."""
-    a = write_run(tmp_path / "a", [row(10, 5.0) | {"eval/bpb": 2.0, "eval/code/bpb": 1.5},
-                                   row(20, 4.0) | {"eval/bpb": 1.6, "eval/code/bpb": 1.7, "probe/acc": 0.25},
-                                   row(20, 4.1) | {"eval/bpb": 1.8, "eval/code/bpb": 1.4, "probe/acc": 0.5}],
-                  {"batch_size": 2, "seq_len": 4})
+    a = write_run(
+        tmp_path / "a",
+        [
+            row(10, 5.0) | {"eval/bpb": 2.0, "eval/code/bpb": 1.5},
+            row(20, 4.0) | {"eval/bpb": 1.6, "eval/code/bpb": 1.7, "probe/acc": 0.25},
+            row(20, 4.1) | {"eval/bpb": 1.8, "eval/code/bpb": 1.4, "probe/acc": 0.5},
+        ],
+        {"batch_size": 2, "seq_len": 4},
+    )
     b = write_run(tmp_path / "b", [row(10, 5.5) | {"eval/bpb": "nan"}, row(20, 4.5) | {"eval/bpb": 1.9}])
     runs = [cr.load_run(a, "a"), cr.load_run(b, "b")]
     assert cr.expand_metrics(runs, ["eval/bpb", "eval/*/bpb", "eval/bpb"]) == ["eval/bpb", "eval/code/bpb"]
@@ -208,9 +243,14 @@ def test_any_logged_metric_is_plotted_and_summarized(tmp_path, capsys):
     assert sorted(lines_of(cr.plot_metric(runs, "eval/code/bpb").axes[0])) == ["a"]  # b never logged it
 
     res = cr.compare([a, b], str(tmp_path / "out"), ["a", "b"], ["eval/bpb", "eval/*/bpb", "probe/acc"])
-    assert res["metrics"] == {m: str(tmp_path / "out" / f) for m, f in
-                              (("eval/bpb", "eval_bpb.png"), ("eval/code/bpb", "eval_code_bpb.png"),
-                               ("probe/acc", "probe_acc.png"))}
+    assert res["metrics"] == {
+        m: str(tmp_path / "out" / f)
+        for m, f in (
+            ("eval/bpb", "eval_bpb.png"),
+            ("eval/code/bpb", "eval_code_bpb.png"),
+            ("probe/acc", "probe_acc.png"),
+        )
+    }
     for png in res["metrics"].values():
         with open(png, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"

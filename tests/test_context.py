@@ -23,8 +23,9 @@ B, T = 2, 32
 
 def mesh_of(c):
     shape = (2, c, 8 // (2 * c))
-    return jax.make_mesh(shape, ("data", "context", "model"), axis_types=(AxisType.Explicit,) * 3,
-                         devices=jax.devices()[:8])
+    return jax.make_mesh(
+        shape, ("data", "context", "model"), axis_types=(AxisType.Explicit,) * 3, devices=jax.devices()[:8]
+    )
 
 
 def put(mesh, x, *rest):
@@ -44,8 +45,17 @@ def close(a, b, tol=2e-5):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("c,window,block,ring", [(2, None, 512, True), (4, None, 512, True), (2, None, 8, True),
-                                                 (4, None, 8, False), (2, 5, 512, True), (4, 5, 512, True)])
+@pytest.mark.parametrize(
+    "c,window,block,ring",
+    [
+        (2, None, 512, True),
+        (4, None, 512, True),
+        (2, None, 8, True),
+        (4, None, 8, False),
+        (2, 5, 512, True),
+        (4, 5, 512, True),
+    ],
+)
 def test_attention_split_over_context_equals_unsplit(c, window, block, ring, monkeypatch):
     """Block 8: each device's 16 or 8 queries go in blocks of 8 (context.QUERY_BLOCK), as long rows do.
     ring False: full attention's zigzag takes its key halves from the all-gathered row instead of the ring."""
@@ -59,8 +69,9 @@ def test_attention_split_over_context_equals_unsplit(c, window, block, ring, mon
     seg = segments()
 
     def loss(q, k, v, seg):
-        o, lse = context.attention(q, k, v, segment_ids=seg, causal=True, window=window, softcap=5.0,
-                                   return_lse=True, backend="reference")
+        o, lse = context.attention(
+            q, k, v, segment_ids=seg, causal=True, window=window, softcap=5.0, return_lse=True, backend="reference"
+        )
         return jnp.sum(o * jnp.cos(o)) + jnp.sum(jnp.sin(lse)), (o, lse)
 
     want = jax.jit(lambda *a: jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(*a))(q, k, v, seg)
@@ -118,12 +129,18 @@ def test_zigzag_gives_device_r_halves_r_and_the_mirror_and_back(c):
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     with jax.set_mesh(mesh):
         x = put(mesh, pos)
-        zig = jax.jit(lambda x: per_shard(lambda y: context._zigzag_halves(y, c), (x,), (P("data", "context"),),
-                                          P("data", "context")))(x)
-        back = jax.jit(lambda x: per_shard(lambda y: context._contiguous_halves(y, c), (x,),
-                                           (P("data", "context"),), P("data", "context")))(zig)
+        zig = jax.jit(
+            lambda x: per_shard(
+                lambda y: context._zigzag_halves(y, c), (x,), (P("data", "context"),), P("data", "context")
+            )
+        )(x)
+        back = jax.jit(
+            lambda x: per_shard(
+                lambda y: context._contiguous_halves(y, c), (x,), (P("data", "context"),), P("data", "context")
+            )
+        )(zig)
     h = T // (2 * c)
-    want = np.concatenate([np.r_[r * h:(r + 1) * h, (2 * c - 1 - r) * h:(2 * c - r) * h] for r in range(c)])
+    want = np.concatenate([np.r_[r * h : (r + 1) * h, (2 * c - 1 - r) * h : (2 * c - r) * h] for r in range(c)])
     np.testing.assert_array_equal(np.asarray(zig)[0], want)
     np.testing.assert_array_equal(np.asarray(back), np.asarray(pos))
 
@@ -141,8 +158,9 @@ def test_without_a_context_axis_it_is_the_kernel():
     """No mesh, or a mesh without `context`: the wrappers are the kernels themselves (same values)."""
     x = jax.random.normal(jax.random.key(4), (B, T, 4, 8))
     assert context.size() == 1 and context.axis() is None
-    np.testing.assert_array_equal(context.attention(x, x, x, backend="reference"),
-                                  kernels.attention(x, x, x, backend="reference"))
+    np.testing.assert_array_equal(
+        context.attention(x, x, x, backend="reference"), kernels.attention(x, x, x, backend="reference")
+    )
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
     with jax.set_mesh(mesh):
         assert context.size() == 1 and context.axis() is None
@@ -172,6 +190,7 @@ def test_cross_entropy_chunks_each_devices_part_of_a_row():
     w = jax.random.normal(jax.random.key(6), (16, 64))
     t = jax.random.randint(jax.random.key(7), (B, T), 0, 64)
     m = (jax.random.uniform(jax.random.key(8), (B, T)) > 0.2).astype(jnp.float32)
+
     def loss(h, w, t, m):
         nll, zsq = kernels.cross_entropy(h, w, t, m, max_logits=B * 4 * 64, backend="reference")  # 8 chunks of 4
         return nll + 0.1 * zsq

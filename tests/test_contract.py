@@ -58,11 +58,37 @@ def modules(variant):
 
 # Every name main() and these tests use. A variant missing one fails test_exports, listing them all.
 EXPORTS = {
-    "model": ("COPIED_FROM", "ConfigError", "ModelConfig", "check", "weights", "init", "param_specs", "forward",
-              "loss_fn", "num_params", "flops_per_token", "sharded_dims", "context_refusal", "cache_specs", "init_cache",
-              "prefill", "decode_step"),
-    "train": ("TrainConfig", "CONTRACT_TINY", "make_mesh", "make_optimizer", "init_state", "make_train_step",
-              "make_eval_step", "batch_spec", "to_device", "main"),
+    "model": (
+        "COPIED_FROM",
+        "ConfigError",
+        "ModelConfig",
+        "check",
+        "weights",
+        "init",
+        "param_specs",
+        "forward",
+        "loss_fn",
+        "num_params",
+        "flops_per_token",
+        "sharded_dims",
+        "context_refusal",
+        "cache_specs",
+        "init_cache",
+        "prefill",
+        "decode_step",
+    ),
+    "train": (
+        "TrainConfig",
+        "CONTRACT_TINY",
+        "make_mesh",
+        "make_optimizer",
+        "init_state",
+        "make_train_step",
+        "make_eval_step",
+        "batch_spec",
+        "to_device",
+        "main",
+    ),
 }
 
 
@@ -93,10 +119,12 @@ def batch_spec(train, mesh, cfg):
     micro = cfg.batch_size // cfg.grad_accum
     s = NamedSharding(mesh, train.batch_spec(1))
     shape = (cfg.grad_accum, micro, cfg.seq_len)
-    return {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=s),
-            "targets": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=s),
-            "segment_ids": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=s),
-            "loss_mask": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=s)}
+    return {
+        "tokens": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=s),
+        "targets": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=s),
+        "segment_ids": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=s),
+        "loss_mask": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=s),
+    }
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -106,8 +134,9 @@ def test_exports(variant):
     assert not missing, f"{variant} lacks {missing}"
     model, train = mods["model"], mods["train"]
     assert isinstance(train.CONTRACT_TINY, dict), f"{variant}: CONTRACT_TINY must be a dict of TrainConfig overrides"
-    assert isinstance(train.batch_spec(1), P) and len(train.batch_spec(1)) == 3, \
+    assert isinstance(train.batch_spec(1), P) and len(train.batch_spec(1)) == 3, (
         f"{variant}: batch_spec(1) must be the PartitionSpec of a [grad_accum, rows, T] array"
+    )
     assert dataclasses.is_dataclass(model.ModelConfig), f"{variant}: ModelConfig is not a dataclass"
     assert model.ModelConfig.__dataclass_params__.frozen, f"{variant}: ModelConfig must be frozen"
     assert dataclasses.is_dataclass(train.TrainConfig), f"{variant}: TrainConfig is not a dataclass"
@@ -115,9 +144,13 @@ def test_exports(variant):
 
 # Values every check should catch, by declared type: a field whose every candidate is accepted has no
 # check. Wrong types are tried only for bools (any other field must check its range, not only its type).
-BAD_VALUES = {int: (-1, 0, -(10**9), 10**18), float: (-1.0, float("nan"), float("inf"), 0.0, 1.5, 1e9),
-              str: ("", "no-such-choice", "\0"), bool: ("yes", 2),
-              dict: ({"no-such-name": -1.0}, {"no-such-name": float("nan")}, "not-a-mapping")}
+BAD_VALUES = {
+    int: (-1, 0, -(10**9), 10**18),
+    float: (-1.0, float("nan"), float("inf"), 0.0, 1.5, 1e9),
+    str: ("", "no-such-choice", "\0"),
+    bool: ("yes", 2),
+    dict: ({"no-such-name": -1.0}, {"no-such-name": float("nan")}, "not-a-mapping"),
+}
 
 
 def config_fields(cls, prefix=""):
@@ -158,15 +191,27 @@ def test_a_bad_flag_names_itself(tmp_path):
     import sys
 
     cases = []
-    for flags, expected in ((["--steps", "abc"], "--steps: couldn't parse 'abc' into an int"),
-                            (["--model.n_layers", "2.5"], "--model.n_layers: couldn't parse '2.5' into an int"),
-                            (["--resume", "maybe"], "--resume: couldn't parse 'maybe' into a bool"),
-                            (["--profile_steps", "5:6", "--steps", "3"], "profile_steps: must be A:B"),
-                            (["--step", "10"], "error: unknown flag --step; did you mean --steps? (--help lists"),
-                            (["--data.weights", "a=1"], "--data.weights: 'a=1' is not a mapping; give it as YAML")):
-        cases.append((flags, expected, subprocess.Popen([sys.executable, os.path.join(ROOT, "templates/base/train.py"),
-                                                         *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                                        text=True, cwd=tmp_path)))
+    for flags, expected in (
+        (["--steps", "abc"], "--steps: couldn't parse 'abc' into an int"),
+        (["--model.n_layers", "2.5"], "--model.n_layers: couldn't parse '2.5' into an int"),
+        (["--resume", "maybe"], "--resume: couldn't parse 'maybe' into a bool"),
+        (["--profile_steps", "5:6", "--steps", "3"], "profile_steps: must be A:B"),
+        (["--step", "10"], "error: unknown flag --step; did you mean --steps? (--help lists"),
+        (["--data.weights", "a=1"], "--data.weights: 'a=1' is not a mapping; give it as YAML"),
+    ):
+        cases.append(
+            (
+                flags,
+                expected,
+                subprocess.Popen(
+                    [sys.executable, os.path.join(ROOT, "templates/base/train.py"), *flags],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    cwd=tmp_path,
+                ),
+            )
+        )
     for flags, expected, p in cases:  # started together: each spends its time importing
         _, err = p.communicate(timeout=120)
         assert p.returncode != 0 and expected in err and "Traceback" not in err, (flags, err)
@@ -192,8 +237,11 @@ def test_help_lists_every_field(variant, capsys):
     missing = [dotted for _, _, _, dotted in config_fields(train.TrainConfig) if f"--{dotted} " not in out]
     assert not missing, f"{variant}: --help does not list {missing}"
     lines = out.splitlines() + [""]
-    bare = [line for line, after in zip(lines, lines[1:])
-            if re.fullmatch(r"  --[\w.]+ [\w\[\],]+\s*", line) and not after.startswith(" " * 20)]
+    bare = [
+        line
+        for line, after in zip(lines, lines[1:])
+        if re.fullmatch(r"  --[\w.]+ [\w\[\],]+\s*", line) and not after.startswith(" " * 20)
+    ]
     assert not bare, f"{variant}: flags with no help and no default: {bare[:5]}"  # each shows at least its default
     assert "presets (--preset NAME" in out
 
@@ -217,8 +265,9 @@ def test_lineage(variant):
         return
     assert isinstance(parent, str) and parent, f"{variant}: COPIED_FROM must name the folder it was copied from"
     assert parent != variant, f"{variant}: COPIED_FROM names itself"
-    assert os.path.isfile(os.path.join(ROOT, parent, "model.py")), \
+    assert os.path.isfile(os.path.join(ROOT, parent, "model.py")), (
         f"{variant}: declared parent {parent!r} does not exist (no {parent}/model.py)"
+    )
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -240,15 +289,18 @@ def test_param_specs_match_params(variant):
     with jax.set_mesh(train.make_mesh(cfg)):
         params = jax.eval_shape(lambda k: model.init(cfg.model, k), jax.random.key(0))
         specs = model.param_specs(cfg.model)
-        assert jax.tree.structure(params) == jax.tree.structure(specs, is_leaf=lambda s: isinstance(s, P)), \
+        assert jax.tree.structure(params) == jax.tree.structure(specs, is_leaf=lambda s: isinstance(s, P)), (
             f"{variant}: param_specs does not have the pytree structure of init"
-        for (path, x), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0],
-                                   jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))):
+        )
+        for (path, x), spec in zip(
+            jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
+        ):
             name = jax.tree_util.keystr(path)
             assert len(spec) == x.ndim, f"{variant}: spec {spec} for {name} has rank {len(spec)}, leaf has {x.ndim}"
             got = x.sharding.spec
-            assert tuple(got) + (None,) * (x.ndim - len(got)) == tuple(spec), \
+            assert tuple(got) + (None,) * (x.ndim - len(got)) == tuple(spec), (
                 f"{variant}: init places {name} as {got}, param_specs says {spec}"
+            )
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -260,16 +312,20 @@ def test_every_weight_has_a_role(variant):
     decl = model.weights(cfg.model)
     with jax.set_mesh(train.make_mesh(cfg)):
         params = jax.eval_shape(lambda k: model.init(cfg.model, k), jax.random.key(0))
-    assert jax.tree.structure(params) == jax.tree.structure(decl, is_leaf=weights.is_weight), \
+    assert jax.tree.structure(params) == jax.tree.structure(decl, is_leaf=weights.is_weight), (
         f"{variant}: model.weights does not declare exactly the leaves of init"
-    for (path, x), w in zip(jax.tree_util.tree_flatten_with_path(params)[0],
-                            jax.tree.leaves(decl, is_leaf=weights.is_weight)):
+    )
+    for (path, x), w in zip(
+        jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(decl, is_leaf=weights.is_weight)
+    ):
         name = jax.tree_util.keystr(path)
         assert isinstance(w, weights.Weight) and w.role in weights.ROLES, f"{variant}: {name} has no known role"
         assert tuple(w.shape) == x.shape, f"{variant}: {name} declared {w.shape}, init gives {x.shape}"
         fans = {a % x.ndim for a in (w.fan_in, w.fan_out) if a is not None}
         if w.role in weights.MATRIX_ROLES:
-            assert len(fans) == 2 and x.ndim - len(w.batch_axes()) == 2, f"{variant}: {name} ({w.role}) needs two fan axes"
+            assert len(fans) == 2 and x.ndim - len(w.batch_axes()) == 2, (
+                f"{variant}: {name} ({w.role}) needs two fan axes"
+            )
         else:
             assert not fans, f"{variant}: {name} ({w.role}) is not a matrix but declares fan axes"
         if w.role == "expert_matrix":
@@ -293,10 +349,13 @@ def _trace(train, cfg, n_devices):
         batch = batch_spec(train, mesh, cfg)
         lowered = step.trace(state, batch).lower(lowering_platforms=("cuda",))
         out_state, metrics = lowered.out_info
-        micro = jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape[1:], b.dtype, sharding=NamedSharding(
-            mesh, train.batch_spec(0))), batch)
-        est = memory.estimate(state, lambda p, b: train.model.loss_fn(p, b, cfg.model)[0], micro,
-                              grad_accum=cfg.grad_accum)
+        micro = jax.tree.map(
+            lambda b: jax.ShapeDtypeStruct(b.shape[1:], b.dtype, sharding=NamedSharding(mesh, train.batch_spec(0))),
+            batch,
+        )
+        est = memory.estimate(
+            state, lambda p, b: train.model.loss_fn(p, b, cfg.model)[0], micro, grad_accum=cfg.grad_accum
+        )
     assert jax.tree.structure(out_state) == jax.tree.structure(state)
     assert "train/loss" in metrics
     return est
@@ -322,7 +381,8 @@ def test_trace_preset_at_scale(variant, preset):
     print(f"\n{variant} {preset} on {n} devices, per device: {memory.report(est)} (device: {name})")
     assert memory.fits(est, capacity), (
         f"{path}: needs ~{est['total'] / 1e9:.1f} GB per device on {n} devices ({memory.report(est)}), more than "
-        f"{1 - memory.HEADROOM:.0%} of the {name} it names: raise grad_accum, shard wider or use remat")
+        f"{1 - memory.HEADROOM:.0%} of the {name} it names: raise grad_accum, shard wider or use remat"
+    )
 
 
 STATED = re.compile(r"~(\d+(?:\.(\d+))?)([MB]) parameters")
@@ -341,8 +401,9 @@ def test_preset_states_its_parameter_count(variant, preset):
     cfg = draccus.parse(train.TrainConfig, config_path=path, args=[])
     n = model.num_params(cfg.model) / (1e6 if m.group(3) == "M" else 1e9)
     digits = len(m.group(2) or "")
-    assert round(n, digits) == float(m.group(1)), \
+    assert round(n, digits) == float(m.group(1)), (
         f"{path} states ~{m.group(1)}{m.group(3)} parameters; num_params gives {n:.{digits + 2}f}{m.group(3)}"
+    )
 
 
 # ---------------------------------------------------------------- the tiny run
@@ -453,8 +514,10 @@ class TinyRun:
         """input name -> (logits, loss, metrics) of the model program, as numpy."""
         with jax.set_mesh(self.mesh):
             params = self.init(self.key)["params"]
-            return {name: jax.tree.map(np.asarray, self.program(params, {k: self.put(v, 0) for k, v in batch.items()}))
-                    for name, batch in self.inputs.items()}
+            return {
+                name: jax.tree.map(np.asarray, self.program(params, {k: self.put(v, 0) for k, v in batch.items()}))
+                for name, batch in self.inputs.items()
+            }
 
     @functools.cached_property
     def decoding(self) -> dict:
@@ -470,7 +533,7 @@ class TinyRun:
         rows = rng.integers(0, cfg.vocab_size, (ROWS, T), dtype=np.int32)  # prompts, and filler after them
         prompts = rng.integers(0, cfg.vocab_size, (ROWS, longest), dtype=np.int32)  # random left padding
         for b, n in enumerate(lengths):
-            prompts[b, longest - n:] = rows[b, :n]
+            prompts[b, longest - n :] = rows[b, :n]
         put = lambda x: self.put(x, 0) if x.ndim == 2 else self.put(x[:, None], 0)[:, 0]  # noqa: E731 rows as batches
         where = lambda c: jax.tree.map(lambda a: tuple(a.sharding.spec), c)  # noqa: E731
         with jax.set_mesh(self.mesh):
@@ -479,23 +542,36 @@ class TinyRun:
             shardings = [where(cache)]
             prefill = jax.jit(lambda p, t, c, n: model.prefill(p, t, c, cfg, lengths=n))
             logits, cache = prefill.lower(params, put(prompts), cache, put(lengths)).compile(COMPILE)(
-                params, put(prompts), cache, put(lengths))
+                params, put(prompts), cache, put(lengths)
+            )
             shardings.append(where(cache))
             step, out = None, [np.asarray(logits)]
             for i in range(DECODE_STEPS):
                 token = out[-1].argmax(-1).astype(np.int32)
                 rows[np.arange(ROWS), lengths + i] = token
                 if step is None:
-                    step = jax.jit(lambda p, t, c: model.decode_step(p, t, c, cfg)).lower(
-                        params, put(token), cache).compile(COMPILE)
+                    step = (
+                        jax.jit(lambda p, t, c: model.decode_step(p, t, c, cfg))
+                        .lower(params, put(token), cache)
+                        .compile(COMPILE)
+                    )
                 logits, cache = step(params, put(token), cache)
                 out.append(np.asarray(logits))
             shardings.append(where(cache))
-            batch = {"tokens": rows, "targets": np.zeros_like(rows), "segment_ids": np.ones_like(rows),
-                     "loss_mask": np.ones(rows.shape, np.float32)}
+            batch = {
+                "tokens": rows,
+                "targets": np.zeros_like(rows),
+                "segment_ids": np.ones_like(rows),
+                "loss_mask": np.ones(rows.shape, np.float32),
+            }
             forward = np.asarray(self.program(params, {k: self.put(v, 0) for k, v in batch.items()})[0])
-        return {"logits": np.stack(out), "tokens": rows, "forward": forward, "shardings": shardings,
-                "specs": model.cache_specs(cfg)}
+        return {
+            "logits": np.stack(out),
+            "tokens": rows,
+            "forward": forward,
+            "shardings": shardings,
+            "specs": model.cache_specs(cfg),
+        }
 
     @functools.cached_property
     def metrics(self) -> dict:
@@ -540,27 +616,47 @@ def check_causality(r: TinyRun):
     the loss when the loss mask covers only positions before LATER: any auxiliary term in loss_fn
     (another head, a router loss) that looks ahead fails here."""
     (la, loss_a, *_), (lb, loss_b, *_) = r.out["causal_a"], r.out["causal_b"]
-    np.testing.assert_array_equal(la[:, :LATER], lb[:, :LATER],
-                                  err_msg=f"{r.folder}: later tokens leak into earlier logits (forward)")
+    np.testing.assert_array_equal(
+        la[:, :LATER], lb[:, :LATER], err_msg=f"{r.folder}: later tokens leak into earlier logits (forward)"
+    )
     assert not np.allclose(la[:, LATER:], lb[:, LATER:]), f"{r.folder}: logits ignore the tokens"
-    assert loss_a == loss_b, (f"{r.folder}: loss_fn with the loss mask on positions < {LATER} changes when only "
-                              f"later tokens change ({loss_a!r} -> {loss_b!r}): a term of the loss looks ahead")
+    assert loss_a == loss_b, (
+        f"{r.folder}: loss_fn with the loss mask on positions < {LATER} changes when only "
+        f"later tokens change ({loss_a!r} -> {loss_b!r}): a term of the loss looks ahead"
+    )
 
 
 def check_document_isolation(r: TinyRun):
     """A packed row gives each document the logits it gets alone (forward), and with the loss mask
     on one document only, the loss does not move when the other document's tokens change."""
     packed, alone1, alone2 = (r.out[k][0] for k in ("packed_mask1", "alone1", "alone2"))
-    np.testing.assert_allclose(packed[:, :CUT], alone1[:, :CUT], rtol=1e-5, atol=1e-5,
-                               err_msg=f"{r.folder}: document 1 sees document 2 (forward)")
-    np.testing.assert_allclose(packed[:, CUT:], alone2[:, : T - CUT], rtol=1e-5, atol=1e-5,
-                               err_msg=f"{r.folder}: document 2 sees document 1 (forward)")
+    np.testing.assert_allclose(
+        packed[:, :CUT],
+        alone1[:, :CUT],
+        rtol=1e-5,
+        atol=1e-5,
+        err_msg=f"{r.folder}: document 1 sees document 2 (forward)",
+    )
+    np.testing.assert_allclose(
+        packed[:, CUT:],
+        alone2[:, : T - CUT],
+        rtol=1e-5,
+        atol=1e-5,
+        err_msg=f"{r.folder}: document 2 sees document 1 (forward)",
+    )
     for mine, other in ((1, 2), (2, 1)):
         a = r.out[f"packed_mask{mine}"][1]
         b = r.out[f"packed_mask{mine}_doc{other}_changed"][1]
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=0, err_msg=(
-            f"{r.folder}: loss_fn with the loss mask on document {mine} only changes when document {other}'s "
-            f"tokens change: a term of the loss crosses documents"))
+        np.testing.assert_allclose(
+            a,
+            b,
+            rtol=1e-6,
+            atol=0,
+            err_msg=(
+                f"{r.folder}: loss_fn with the loss mask on document {mine} only changes when document {other}'s "
+                f"tokens change: a term of the loss crosses documents"
+            ),
+        )
 
 
 def check_loss_accumulation(r: TinyRun):
@@ -572,10 +668,16 @@ def check_loss_accumulation(r: TinyRun):
     whole, first, second = (r.out[k] for k in ("uneven", "uneven_first", "uneven_second"))
     n1, n2 = float(first[2]["tokens"]), float(second[2]["tokens"])
     weighted = (n1 * float(first[1]) + n2 * float(second[1])) / (n1 + n2)
-    np.testing.assert_allclose(float(whole[1]), weighted, rtol=1e-5, err_msg=(
-        f"{r.folder}: loss_fn on a batch is not the token-weighted mean of loss_fn on its parts, so gradient "
-        "accumulation is inexact; every term of loss_fn must be a sum over the batch's loss tokens divided "
-        "by their count (AGENTS.md, 'Auxiliary losses')"))
+    np.testing.assert_allclose(
+        float(whole[1]),
+        weighted,
+        rtol=1e-5,
+        err_msg=(
+            f"{r.folder}: loss_fn on a batch is not the token-weighted mean of loss_fn on its parts, so gradient "
+            "accumulation is inexact; every term of loss_fn must be a sum over the batch's loss tokens divided "
+            "by their count (AGENTS.md, 'Auxiliary losses')"
+        ),
+    )
 
 
 def check_step_accumulation(r: TinyRun):
@@ -583,14 +685,26 @@ def check_step_accumulation(r: TinyRun):
     batch's rows are split 1:3 or evenly in loss tokens (ACCUMULATION), and the loss of loss_fn on
     the whole batch at once."""
     uneven, even = r.metrics["uneven_split"], r.metrics["even_split"]
-    np.testing.assert_allclose(uneven["optim/grad_norm"], even["optim/grad_norm"], rtol=2e-5, err_msg=(
-        f"{r.folder}: the gradient accumulated over 2 micro-batches depends on how the rows are split; every "
-        "term of loss_fn must be a sum over the batch's loss tokens divided by their count (AGENTS.md, "
-        "'Auxiliary losses')"))
+    np.testing.assert_allclose(
+        uneven["optim/grad_norm"],
+        even["optim/grad_norm"],
+        rtol=2e-5,
+        err_msg=(
+            f"{r.folder}: the gradient accumulated over 2 micro-batches depends on how the rows are split; every "
+            "term of loss_fn must be a sum over the batch's loss tokens divided by their count (AGENTS.md, "
+            "'Auxiliary losses')"
+        ),
+    )
     whole = r.out["uneven"][2]
     for name, m in (("split 1:3", uneven), ("even split", even)):
-        np.testing.assert_allclose(m["train/loss"], whole["loss"], rtol=2e-6, err_msg=(
-            f"{r.folder}: the loss accumulated over 2 micro-batches ({name}) differs from loss_fn's on the whole batch"))
+        np.testing.assert_allclose(
+            m["train/loss"],
+            whole["loss"],
+            rtol=2e-6,
+            err_msg=(
+                f"{r.folder}: the loss accumulated over 2 micro-batches ({name}) differs from loss_fn's on the whole batch"
+            ),
+        )
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -647,29 +761,40 @@ def check_decoding(r: TinyRun):
         "templates/base/model.py does under 'decoding with a cache' and adapted to this model's layers: "
         "cache_specs(cfg) (a PartitionSpec per cache leaf), init_cache(cfg, batch, max_len) (an empty cache), "
         "prefill(params, tokens, cache, cfg, *, lengths=None) -> (logits [B, V], cache) for left-padded "
-        "prompts, and decode_step(params, token, cache, cfg) -> (logits [B, V], cache) for one token a row")
+        "prompts, and decode_step(params, token, cache, cfg) -> (logits [B, V], cache) for one token a row"
+    )
     d = r.decoding
     lengths = np.asarray(DECODE_LENGTHS)
     for i, logits in enumerate(d["logits"]):
         want = d["forward"][np.arange(ROWS), lengths - 1 + i]  # the position whose next token step i predicts
         what = "prefill" if i == 0 else f"decoding step {i}"
-        np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4, err_msg=(
-            f"{r.folder}: the logits of {what} differ from forward's at the same position (prompt lengths "
-            f"{DECODE_LENGTHS})"))
+        np.testing.assert_allclose(
+            logits,
+            want,
+            rtol=1e-4,
+            atol=1e-4,
+            err_msg=(
+                f"{r.folder}: the logits of {what} differ from forward's at the same position (prompt lengths "
+                f"{DECODE_LENGTHS})"
+            ),
+        )
         if i < DECODE_STEPS:
             token = d["tokens"][np.arange(ROWS), lengths + i]
             top2 = np.sort(want, axis=-1)[:, -2:]
             tie = top2[:, 1] - top2[:, 0] < 1e-4  # forward's own top two within tolerance: either may win
             wrong = (token != want.argmax(-1)) & ~tie
-            assert not wrong.any(), f"{r.folder}: greedy token {i} of rows {np.flatnonzero(wrong)} is not forward's argmax"
+            assert not wrong.any(), (
+                f"{r.folder}: greedy token {i} of rows {np.flatnonzero(wrong)} is not forward's argmax"
+            )
     norm = lambda spec, n: tuple(spec) + (None,) * (n - len(spec))  # noqa: E731
     specs = jax.tree.leaves(d["specs"], is_leaf=lambda s: isinstance(s, P))
     for when, where in zip(("init_cache", "prefill", "decode_step"), d["shardings"]):
         got = jax.tree.leaves(where, is_leaf=lambda s: isinstance(s, tuple))
         assert len(got) == len(specs), f"{r.folder}: cache_specs does not match the cache's pytree after {when}"
         for g, spec in zip(got, specs):
-            assert norm(g, len(spec)) == tuple(spec), \
+            assert norm(g, len(spec)) == tuple(spec), (
                 f"{r.folder}: after {when} a cache leaf sits at {g}, cache_specs says {spec}"
+            )
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -687,12 +812,18 @@ def check_a_cache_sharded_otherwise_is_named(r: TinyRun):
         cache = jax.eval_shape(lambda: r.model.init_cache(cfg, ROWS, T))
         leaves, tree = jax.tree_util.tree_flatten_with_path(cache)
         path = next(p for p, leaf in leaves if leaf.ndim >= 2)
-        bad = jax.tree_util.tree_unflatten(tree, [
-            jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(r.mesh, P())) if p == path else leaf
-            for p, leaf in leaves])
+        bad = jax.tree_util.tree_unflatten(
+            tree,
+            [
+                jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(r.mesh, P())) if p == path else leaf
+                for p, leaf in leaves
+            ],
+        )
         params = r.init(r.key)["params"]
-        for fn, call in (("prefill", lambda p, c: r.model.prefill(p, jnp.zeros((ROWS, 4), jnp.int32), c, cfg)),
-                         ("decode_step", lambda p, c: r.model.decode_step(p, jnp.zeros((ROWS,), jnp.int32), c, cfg))):
+        for fn, call in (
+            ("prefill", lambda p, c: r.model.prefill(p, jnp.zeros((ROWS, 4), jnp.int32), c, cfg)),
+            ("decode_step", lambda p, c: r.model.decode_step(p, jnp.zeros((ROWS,), jnp.int32), c, cfg)),
+        ):
             with pytest.raises(kernels.KernelError, match=rf"^{fn}: cache\[.*\] is sharded P\(None.*, expected P\("):
                 jax.eval_shape(call, params, bad)
 
@@ -701,8 +832,11 @@ def test_a_folder_without_a_cache_is_told_what_to_add():
     import types
 
     r = types.SimpleNamespace(folder="variants/nocache", model=types.ModuleType("model"))
-    with pytest.raises(AssertionError, match=r"lacks cache_specs, init_cache, prefill, decode_step\)\. Add, as "
-                                             r"templates/base/model\.py does"):
+    with pytest.raises(
+        AssertionError,
+        match=r"lacks cache_specs, init_cache, prefill, decode_step\)\. Add, as "
+        r"templates/base/model\.py does",
+    ):
         check_decoding(r)
 
 
@@ -739,8 +873,10 @@ def context_outputs(r: TinyRun, cfg) -> tuple:
     mesh = r.train.make_mesh(cfg)
     with jax.set_mesh(mesh):
         params = jax.jit(lambda k: r.train.init_state(cfg, r.train.make_optimizer(cfg)[0], k))(r.key)["params"]
-        batch = {k: jax.device_put(v, NamedSharding(mesh, r.train.batch_spec(0)))
-                 for k, v in _context_batch(cfg.model.vocab_size).items()}
+        batch = {
+            k: jax.device_put(v, NamedSharding(mesh, r.train.batch_spec(0)))
+            for k, v in _context_batch(cfg.model.vocab_size).items()
+        }
 
         def f(params, batch):
             (loss, _), grads = jax.value_and_grad(lambda p: r.model.loss_fn(p, batch, cfg.model), has_aux=True)(params)
@@ -754,20 +890,39 @@ def check_context_parallel(r: TinyRun, context: int):
     whole = context_outputs(r, dataclasses.replace(r.cfg, model=model_cfg))
     split = context_outputs(r, cfg)
     for what, a, b in (("logits", split[0], whole[0]), ("loss", split[1], whole[1])):
-        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5, err_msg=(
-            f"{r.folder}: the {what} with each row split over mesh_context={context} differ from the whole row's"))
+        np.testing.assert_allclose(
+            a,
+            b,
+            rtol=2e-5,
+            atol=2e-5,
+            err_msg=(
+                f"{r.folder}: the {what} with each row split over mesh_context={context} differ from the whole row's"
+            ),
+        )
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(split[2])[0], jax.tree.leaves(whole[2])):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=(
-            f"{r.folder}: the gradient of {jax.tree_util.keystr(path)} with mesh_context={context} differs "
-            f"from the whole row's"))
+        np.testing.assert_allclose(
+            a,
+            b,
+            rtol=1e-4,
+            atol=1e-6,
+            err_msg=(
+                f"{r.folder}: the gradient of {jax.tree_util.keystr(path)} with mesh_context={context} differs "
+                f"from the whole row's"
+            ),
+        )
 
 
 LONG_CONTEXT = pytest.mark.integration(reason="a long compile: the model's gradients at two more meshes")
 
 
-@pytest.mark.parametrize("context,variant", [pytest.param(c, v, marks=LONG_CONTEXT)
-                                             if c == 4 or "context" not in fast_tier(v) else (c, v)
-                                             for v in VARIANTS for c in (2, 4)])  # ids end in the folder
+@pytest.mark.parametrize(
+    "context,variant",
+    [
+        pytest.param(c, v, marks=LONG_CONTEXT) if c == 4 or "context" not in fast_tier(v) else (c, v)
+        for v in VARIANTS
+        for c in (2, 4)
+    ],
+)  # ids end in the folder
 def test_context_parallel_is_exact(variant, context):
     """Context 2 in the fast tier for the folders whose train.py keeps "context" in FAST_TIER
     (tests/helpers.fast_tier; the mixers kda and moe_hero split are checked there on their own,
@@ -782,8 +937,10 @@ def _with_attention_backend(cfg, name):
     if not hasattr(cfg.model, "local_attention_backend"):
         tries = [({"attention_backend": name}, ["attention"])]
     else:
-        tries = [({"attention_backend": name, "local_attention_backend": name}, ["global", "local"]),
-                 ({"attention_backend": name, "local_attention_backend": "auto"}, ["global"])]
+        tries = [
+            ({"attention_backend": name, "local_attention_backend": name}, ["global", "local"]),
+            ({"attention_backend": name, "local_attention_backend": "auto"}, ["global"]),
+        ]
     for fields, layers in tries:
         try:
             return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **fields)), layers
@@ -836,8 +993,9 @@ def compare_attention_backends(r: TinyRun, names) -> tuple[dict, dict]:
         want_logits, want_loss, _ = r.out["packed_mask1"]
         tol = 2e-2 if cfg.model.compute_dtype == "bfloat16" else 1e-5
         np.testing.assert_allclose(float(loss), want_loss, rtol=tol, err_msg=f"{r.folder}: attention backend {name}")
-        np.testing.assert_allclose(np.asarray(logits), want_logits, rtol=tol, atol=tol,
-                                   err_msg=f"{r.folder}: attention backend {name}")
+        np.testing.assert_allclose(
+            np.asarray(logits), want_logits, rtol=tol, atol=tol, err_msg=f"{r.folder}: attention backend {name}"
+        )
         for kind in layers:
             compared.setdefault(kind, []).append(name)
     return compared, refused
@@ -857,8 +1015,11 @@ def test_every_attention_backend_gives_autos_loss(variant):
     assert compared, f"{variant}: no attention backend ran ({refused})"
     if "blocked" in names:  # it has every mask, sliding windows included: it runs on every kind of layer
         assert all(any(n.startswith("blocked") for n in ran) for ran in compared.values()), (variant, compared)
-    print(f"{variant}: " + "; ".join(f"{kind} layers compared {sorted(b)}" for kind, b in compared.items())
-          + f"; refused {refused}")
+    print(
+        f"{variant}: "
+        + "; ".join(f"{kind} layers compared {sorted(b)}" for kind, b in compared.items())
+        + f"; refused {refused}"
+    )
 
 
 def test_backend_comparison_catches_a_wrong_backend(monkeypatch):
@@ -866,8 +1027,13 @@ def test_backend_comparison_catches_a_wrong_backend(monkeypatch):
     A = importlib.import_module("shared.kernels.attention")  # the module (kernels.attention is the function)
 
     def backend(name, factor):
-        return A.Backend(name, lambda: None, lambda c: None, lambda q, k, v, **kw: A.reference(q, k, v, **kw) * factor,
-                         lambda c: "test-only: never picked by auto")
+        return A.Backend(
+            name,
+            lambda: None,
+            lambda c: None,
+            lambda q, k, v, **kw: A.reference(q, k, v, **kw) * factor,
+            lambda c: "test-only: never picked by auto",
+        )
 
     registry = {"right": backend("right", 1.0), "wrong": backend("wrong", 1.001), **A.BACKENDS}
     monkeypatch.setattr(A, "BACKENDS", registry)
@@ -884,9 +1050,16 @@ def test_backend_comparison_names_the_layers_each_backend_ran_on(monkeypatch):
     windows, is compared on both kinds)."""
     A = importlib.import_module("shared.kernels.attention")
     no_windows = lambda c: "no sliding window" if c.window is not None else None  # noqa: E731
-    registry = {"global_only": A.Backend("global_only", lambda: None, no_windows,
-                                         lambda q, k, v, **kw: A.reference(q, k, v, **kw), lambda c: "test-only"),
-                **A.BACKENDS}
+    registry = {
+        "global_only": A.Backend(
+            "global_only",
+            lambda: None,
+            no_windows,
+            lambda q, k, v, **kw: A.reference(q, k, v, **kw),
+            lambda c: "test-only",
+        ),
+        **A.BACKENDS,
+    }
     monkeypatch.setattr(A, "BACKENDS", registry)
     monkeypatch.setitem(kernels.REGISTRIES, "attention", registry)
     compared, refused = compare_attention_backends(tiny_run("variants/swa_hybrid"), ["global_only"])
@@ -900,15 +1073,24 @@ def test_backend_comparison_names_the_layers_each_backend_ran_on(monkeypatch):
 
 BROKEN = {
     # a head that reads the next position's hidden state: causal in forward, not in the loss
-    "looks_ahead": ("check_causality", """
-    aux = jnp.sum(batch["loss_mask"][:, :-1] * jnp.sum(h[:, 1:] * h[:, :-1], -1)) / n"""),
+    "looks_ahead": (
+        "check_causality",
+        """
+    aux = jnp.sum(batch["loss_mask"][:, :-1] * jnp.sum(h[:, 1:] * h[:, :-1], -1)) / n""",
+    ),
     # a causal running mean over the whole row, blind to document boundaries
-    "crosses_documents": ("check_document_isolation", """
+    "crosses_documents": (
+        "check_document_isolation",
+        """
     run = jnp.cumsum(h, axis=1) / jnp.arange(1, h.shape[1] + 1)[None, :, None]
-    aux = jnp.sum(batch["loss_mask"] * jnp.sum(run * h, -1)) / n"""),
+    aux = jnp.sum(batch["loss_mask"] * jnp.sum(run * h, -1)) / n""",
+    ),
     # exact under masks and documents, but averaged per row instead of over the loss tokens
-    "normalised_per_row": ("check_loss_accumulation", """
-    aux = jnp.sum(batch["loss_mask"] * jnp.sum(h * h, -1)) / batch["tokens"].shape[0]"""),
+    "normalised_per_row": (
+        "check_loss_accumulation",
+        """
+    aux = jnp.sum(batch["loss_mask"] * jnp.sum(h * h, -1)) / batch["tokens"].shape[0]""",
+    ),
 }
 
 

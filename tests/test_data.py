@@ -11,11 +11,13 @@ from shared.data import DataConfig, DataError, Loader, eval_batches, load_corpus
 
 from helpers import VOCAB, toy_split, write_corpus  # noqa: E402  (tests/helpers.py)
 
+
 @pytest.fixture
 def corpus(tmp_path):
     src = write_corpus(tmp_path)
-    return load_corpus(DataConfig(source=str(src / "*.txt"), cache_dir=str(tmp_path / "c"),
-                                  val_fraction=0.1), VOCAB, progress=False)
+    return load_corpus(
+        DataConfig(source=str(src / "*.txt"), cache_dir=str(tmp_path / "c"), val_fraction=0.1), VOCAB, progress=False
+    )
 
 
 def test_packing_targets_segments_mask():
@@ -26,7 +28,7 @@ def test_packing_targets_segments_mask():
     assert b["tokens"].shape == (4, T)
     flat = split.tokens.astype(np.int32)
     for r in range(4):
-        row = flat[r * (T + 1):(r + 1) * (T + 1)]
+        row = flat[r * (T + 1) : (r + 1) * (T + 1)]
         np.testing.assert_array_equal(b["tokens"][r], row[:-1])
         np.testing.assert_array_equal(b["targets"][r], row[1:])
     # doc index of every token, then expected segments and mask
@@ -61,9 +63,11 @@ def test_resume_is_exact():
 
 def test_determinism_and_seed_changes_order():
     split = toy_split(list(range(5, 60)))
+
     def rows(seed):
         ld = Loader(split, 16, 4, seed=seed)
         return np.concatenate([ld.next()["tokens"] for _ in range(10)])
+
     np.testing.assert_array_equal(rows(0), rows(0))
     assert not np.array_equal(rows(0), rows(1))
 
@@ -103,12 +107,16 @@ def test_eval_batches_fixed(corpus):
 def test_val_docs_disjoint_from_train(corpus, tmp_path):
     def docs(split):
         return {corpus.decode(split.tokens[s:e]) for s, e in zip(np.r_[0, split.doc_ends[:-1]], split.doc_ends)}
+
     train, val = docs(corpus.train), docs(corpus.val)
     assert len(val) == 4 and len(train) == 36 and not train & val
     assert all(d.endswith(sources.EOS) for d in train | val)
     # the split does not depend on the seed
-    again = load_corpus(DataConfig(source=str(tmp_path / "docs"), cache_dir=str(tmp_path / "c"),
-                                   val_fraction=0.1, seed=9), VOCAB, progress=False)
+    again = load_corpus(
+        DataConfig(source=str(tmp_path / "docs"), cache_dir=str(tmp_path / "c"), val_fraction=0.1, seed=9),
+        VOCAB,
+        progress=False,
+    )
     np.testing.assert_array_equal(again.val.tokens, corpus.val.tokens)
 
 
@@ -125,8 +133,10 @@ def test_cache_hit_skips_training_and_encoding(tmp_path, monkeypatch):
     src = write_corpus(tmp_path)
     cfg = DataConfig(source=str(src / "*.txt"), cache_dir=str(tmp_path / "c"))
     first = load_corpus(cfg, VOCAB, progress=False)
+
     def boom(*a, **k):
         raise AssertionError("cache miss")
+
     monkeypatch.setattr(sources, "train_tokenizer", boom)
     monkeypatch.setattr(sources, "encode_documents", boom)
     second = load_corpus(cfg, VOCAB, progress=False)
@@ -144,13 +154,19 @@ def test_tokenizer_path_and_jsonl(corpus, tmp_path):
     corpus.tokenizer.save(str(tok_path))
     f = tmp_path / "d.jsonl"
     f.write_text("\n".join(json.dumps({"body": f"line {i} word{i}"}) for i in range(10)) + "\n")
-    c = load_corpus(DataConfig(source=str(f), text_field="body", tokenizer=str(tok_path),
-                               cache_dir=str(tmp_path / "c2")), VOCAB, progress=False)
+    c = load_corpus(
+        DataConfig(source=str(f), text_field="body", tokenizer=str(tok_path), cache_dir=str(tmp_path / "c2")),
+        VOCAB,
+        progress=False,
+    )
     assert c.train.n_docs + c.val.n_docs == 10 and c.eos_id == corpus.eos_id
     assert c.decode(c.val.tokens) == "line 5 word5" + sources.EOS
     with pytest.raises(DataError, match="tokenizer has .* tokens but vocab_size is 100"):
-        load_corpus(DataConfig(source=str(f), text_field="body", tokenizer=str(tok_path),
-                               cache_dir=str(tmp_path / "c2")), 100, progress=False)
+        load_corpus(
+            DataConfig(source=str(f), text_field="body", tokenizer=str(tok_path), cache_dir=str(tmp_path / "c2")),
+            100,
+            progress=False,
+        )
 
 
 def test_pretokenized_npy(tmp_path):
@@ -172,8 +188,11 @@ def test_npy_without_any_eos_is_refused_naming_the_file(tmp_path):
     """No id 0 anywhere: one document, not a train/validation problem of the cache's store."""
     p = tmp_path / "no_eos.npy"
     np.save(p, np.arange(1, 200) % 15 + 1)
-    with pytest.raises(DataError, match=rf"^{re.escape(str(p))}: no end-of-document id \(0, .*among its 199 token "
-                                        r"ids.*End every document with id 0") as e:
+    with pytest.raises(
+        DataError,
+        match=rf"^{re.escape(str(p))}: no end-of-document id \(0, .*among its 199 token "
+        r"ids.*End every document with id 0",
+    ) as e:
         load_corpus(DataConfig(source=str(p), val_fraction=0.1, cache_dir=str(tmp_path / "c")), 16, progress=False)
     assert "train/val" not in str(e.value) and not (tmp_path / "c").exists()  # nothing cached for it
 

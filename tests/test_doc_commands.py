@@ -24,27 +24,68 @@ from shared.variant import ROOT, load
 
 from helpers import fenced, sub_env  # noqa: E402  (tests/helpers.py)
 
-DOCS = ["README.md"] + sorted(os.path.relpath(p, ROOT) for pattern in ("docs/*.md", "variants/*/README.md",
-                                                                        "templates/*/README.md")
-                              for p in glob.glob(os.path.join(ROOT, pattern)))
+DOCS = ["README.md"] + sorted(
+    os.path.relpath(p, ROOT)
+    for pattern in ("docs/*.md", "variants/*/README.md", "templates/*/README.md")
+    for p in glob.glob(os.path.join(ROOT, pattern))
+)
 
-SIZE = ["--steps", "2", "--warmup_steps", "-1", "--seq_len", "32", "--batch_size", "8", "--eval_batches", "1", "--sample_tokens", "4",
-        "--data.max_bytes", "400000", "--probes.rows", "8", "--probes.mqar_pairs", "2", "--probes.mqar_gap", "4",
-        "--probes.passkey_len", "2", "--probes.copy_len", "4", "--lm_eval_limit", "2", "--wandb", "disabled"]
-PRESET_MODEL = ["--model.vocab_size", "512", "--model.d_model", "64", "--model.n_layers", "2", "--model.n_heads", "4",
-                "--model.n_kv_heads", "2", "--model.head_dim", "16", "--model.d_ff", "128"]
+SIZE = [
+    "--steps",
+    "2",
+    "--warmup_steps",
+    "-1",
+    "--seq_len",
+    "32",
+    "--batch_size",
+    "8",
+    "--eval_batches",
+    "1",
+    "--sample_tokens",
+    "4",
+    "--data.max_bytes",
+    "400000",
+    "--probes.rows",
+    "8",
+    "--probes.mqar_pairs",
+    "2",
+    "--probes.mqar_gap",
+    "4",
+    "--probes.passkey_len",
+    "2",
+    "--probes.copy_len",
+    "4",
+    "--lm_eval_limit",
+    "2",
+    "--wandb",
+    "disabled",
+]
+PRESET_MODEL = [
+    "--model.vocab_size",
+    "512",
+    "--model.d_model",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+    "--model.head_dim",
+    "16",
+    "--model.d_ff",
+    "128",
+]
 PROBE_WRITE_SIZE = ["--n", "64"]
 
 NOT_RUN = {
     "variants/dense/train.py --help": "not a run (tests/test_docs.py runs every command's --help)",
-    "variants/my_idea/train.py --steps 50 --run_dir /tmp/runs/my_idea":
-        "a copy the reader makes first (cp -r); tests/test_contract.py checks such copies",
+    "variants/my_idea/train.py --steps 50 --run_dir /tmp/runs/my_idea": "a copy the reader makes first (cp -r); tests/test_contract.py checks such copies",
     "variants/dense/train.py --data.source my_corpus/*.jsonl": "the reader's own data (tests/test_data.py reads JSONL)",
     "variants/dense/train.py --data.source /data/web": "the reader's own data",
     "variants/dense/train.py --data.source web=/data/web@0.7,code=/data/code@0.3 --data.eval "
     "wiki=/data/wiki_val,py=held_out/*.py": "the reader's own data (tests/test_data.py evaluates named sets)",
-    "variants/dense/train.py --init_from hf:DIR --steps 1000":
-        "DIR is the reader's Hugging Face model (tests/test_hf.py starts runs from one)",
+    "variants/dense/train.py --init_from hf:DIR --steps 1000": "DIR is the reader's Hugging Face model (tests/test_hf.py starts runs from one)",
 }
 
 
@@ -97,8 +138,14 @@ def test_every_documented_training_command_runs(doc, tmp_path):
         full = flags + size + ["--run_dir", run_dir]
         if not flags and script not in first_dirs:  # the bare command: as a user runs it, one device
             first_dirs[script] = run_dir
-            r = subprocess.run([sys.executable, script, *full], cwd=ROOT, capture_output=True, text=True,
-                               timeout=600, env=sub_env(XLA_FLAGS="", STENCIL_CACHE=os.environ["STENCIL_CACHE"]))
+            r = subprocess.run(
+                [sys.executable, script, *full],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=600,
+                env=sub_env(XLA_FLAGS="", STENCIL_CACHE=os.environ["STENCIL_CACHE"]),
+            )
             assert r.returncode == 0, (shown, r.stderr[-3000:])
             assert "--- sample after 2 steps ---" in r.stdout, (shown, r.stdout[-2000:])
         else:

@@ -19,9 +19,20 @@ from shared.variant import ROOT, discover, load
 
 from helpers import fenced, spans, text  # noqa: E402  (tests/helpers.py)
 
-DOCS = sorted({os.path.relpath(p, ROOT) for pattern in ("README.md", "AGENTS.md", "docs/**/*.md", "skills/**/*.md",
-                                                         "variants/*/README.md", "templates/*/README.md")
-               for p in glob.glob(os.path.join(ROOT, pattern), recursive=True)})
+DOCS = sorted(
+    {
+        os.path.relpath(p, ROOT)
+        for pattern in (
+            "README.md",
+            "AGENTS.md",
+            "docs/**/*.md",
+            "skills/**/*.md",
+            "variants/*/README.md",
+            "templates/*/README.md",
+        )
+        for p in glob.glob(os.path.join(ROOT, pattern), recursive=True)
+    }
+)
 TOP = ("shared/", "tools/", "tests/", "variants/", "templates/", "launch/", "skills/", "docs/", ".ci/", ".github/")
 TOP_FILES = ("README.md", "AGENTS.md", "pyproject.toml")
 
@@ -44,18 +55,25 @@ EXAMPLES = ("variants/my_idea", "variants/x", "variants/y")  # folders the docs 
 
 
 def is_path(token: str) -> bool:
-    return (token.startswith(TOP) or token in TOP_FILES) and not re.search(r"[<>*{}$|\\]|\.\.\.|\[", token) \
+    return (
+        (token.startswith(TOP) or token in TOP_FILES)
+        and not re.search(r"[<>*{}$|\\]|\.\.\.|\[", token)
         and not token.startswith(EXAMPLES)
+    )
 
 
 # ---------------------------------------------------------------- paths and modules
+
 
 def defined(token: str) -> bool:
     """`shared/errors.StencilError`: a name defined at the top of a module (class, def or assignment)."""
     m = re.match(r"^(.+)\.(\w+)$", token)
     path = m and os.path.join(ROOT, m.group(1) + ".py")
-    return bool(path and os.path.isfile(path) and re.search(rf"^(class|def) {m.group(2)}\b|^{m.group(2)}\s*[:=]",
-                                                           open(path).read(), re.M))
+    return bool(
+        path
+        and os.path.isfile(path)
+        and re.search(rf"^(class|def) {m.group(2)}\b|^{m.group(2)}\s*[:=]", open(path).read(), re.M)
+    )
 
 
 @pytest.mark.parametrize("doc", DOCS)
@@ -70,20 +88,27 @@ def test_named_paths_exist(doc):
                 missing.append(token)
     for target in re.findall(r"\]\(([^)\s]+)\)", text(doc)):
         path = target.split("#")[0]
-        if path and not re.match(r"^[a-z]+://|^mailto:", path) and \
-                not os.path.exists(os.path.join(ROOT, os.path.dirname(doc), path)):
+        if (
+            path
+            and not re.match(r"^[a-z]+://|^mailto:", path)
+            and not os.path.exists(os.path.join(ROOT, os.path.dirname(doc), path))
+        ):
             missing.append(f"link {target}")
     assert not missing, f"{doc} names what does not exist: {sorted(set(missing))}"
 
 
 @pytest.mark.parametrize("doc", DOCS)
 def test_python_m_modules_exist(doc):
-    bad = [c[1] for c in commands(doc) if c[0] == "-m" and len(c) > 1 and c[1] != "pytest"
-           and importlib.util.find_spec(c[1]) is None]
+    bad = [
+        c[1]
+        for c in commands(doc)
+        if c[0] == "-m" and len(c) > 1 and c[1] != "pytest" and importlib.util.find_spec(c[1]) is None
+    ]
     assert not bad, f"{doc}: python -m {bad}: no such module"
 
 
 # ---------------------------------------------------------------- flags
+
 
 def folder_of(script: str) -> str | None:
     """The folder whose train.py a command runs (placeholders like variants/<name> mean the template)."""
@@ -103,6 +128,7 @@ def config_flags(folder: str) -> set[str]:
             yield prefix + name
             if dataclasses.is_dataclass(tp):
                 yield from walk(tp, f"{prefix}{name}.")
+
     return set(walk(load(os.path.join(ROOT, folder, "train.py")).TrainConfig)) | {"help", "preset", "config_path"}
 
 
@@ -113,7 +139,9 @@ def test_train_flags_are_fields_of_the_named_config(doc):
     for c in commands(doc):
         folder = folder_of(c[0])
         if folder:
-            bad += [f"{c[0]} {w}" for w in c[1:] if w.startswith("--") and w[2:].split("=")[0] not in config_flags(folder)]
+            bad += [
+                f"{c[0]} {w}" for w in c[1:] if w.startswith("--") and w[2:].split("=")[0] not in config_flags(folder)
+            ]
     assert not bad, f"{doc}: flags that are not fields of the folder's TrainConfig: {bad}"
 
 
@@ -143,8 +171,17 @@ def all_helps() -> dict[str, tuple[int, str]]:
     process), so the whole check costs about the slowest import; once per process (a module fixture is
     set up again when a worker runs other modules' tests in between)."""
     env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
-    procs = {" ".join(c): subprocess.Popen([sys.executable, *c, "--help"], cwd=ROOT, env=env, text=True,
-                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for c in runnable()}
+    procs = {
+        " ".join(c): subprocess.Popen(
+            [sys.executable, *c, "--help"],
+            cwd=ROOT,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for c in runnable()
+    }
     return {k: (p.wait(timeout=300), p.stdout.read()) for k, p in procs.items()}
 
 
@@ -152,8 +189,11 @@ def test_every_command_answers_help(helps):
     """Every tool, launcher, `python -m shared...` command and variant script (each folder's train.py is
     checked in-process by the contract's test_help_lists_every_field)."""
     assert "tools/variant_diff.py" in helps and "-m shared.pretokenize" in helps, sorted(helps)
-    failed = [f"{k} --help: exit {rc}\n{out[-600:]}" for k, (rc, out) in helps.items()
-              if rc != 0 or "usage" not in out.lower() or "Traceback" in out]
+    failed = [
+        f"{k} --help: exit {rc}\n{out[-600:]}"
+        for k, (rc, out) in helps.items()
+        if rc != 0 or "usage" not in out.lower() or "Traceback" in out
+    ]
     assert not failed, "\n\n".join(failed)
 
 
@@ -161,8 +201,9 @@ def test_every_command_answers_help(helps):
 def sub_help(argv: tuple) -> str:
     """--help of a subcommand (`hf.py export --help`)."""
     env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, *argv, "--help"], cwd=ROOT, env=env, text=True, capture_output=True,
-                          timeout=300).stdout
+    return subprocess.run(
+        [sys.executable, *argv, "--help"], cwd=ROOT, env=env, text=True, capture_output=True, timeout=300
+    ).stdout
 
 
 @pytest.mark.parametrize("doc", DOCS)
@@ -178,27 +219,37 @@ def test_tool_flags_are_in_the_tools_help(doc, helps):
         usage = helps[key][1]
         subs = set(sum((g.split(",") for g in re.findall(r"\{([\w,-]+)\}", usage)), []))
         if len(c) > n and c[n] in subs:
-            usage = sub_help(tuple(c[:n + 1]))
-        own, passed = (c[n:c.index("--")], c[c.index("--") + 1:]) if "--" in c else (c[n:], [])
+            usage = sub_help(tuple(c[: n + 1]))
+        own, passed = (c[n : c.index("--")], c[c.index("--") + 1 :]) if "--" in c else (c[n:], [])
         variant = own[own.index("--variant") + 1] if "--variant" in own[:-1] else "dense"
         train = config_flags(folder_of(f"variants/{variant}/train.py"))
         forwards = "go to the variant's TrainConfig" in usage  # tools/bench_step.py
-        bad += [f"{key} {w}" for w in own if w.startswith("--") and w.split("=")[0] not in usage
-                and not (forwards and w[2:].split("=")[0] in train)]
+        bad += [
+            f"{key} {w}"
+            for w in own
+            if w.startswith("--") and w.split("=")[0] not in usage and not (forwards and w[2:].split("=")[0] in train)
+        ]
         bad += [f"{key} -- {w}" for w in passed if w.startswith("--") and w[2:].split("=")[0] not in train]
     assert not bad, f"{doc}: flags the command does not take: {bad}"
 
 
 # ---------------------------------------------------------------- maps, removed things, CI limits
 
+
 def test_the_maps_name_every_module_and_tool():
     """AGENTS.md's map names every module of shared/ and every tool; a new one is added to it."""
     agents = text("AGENTS.md")
-    modules = [os.path.relpath(p, os.path.join(ROOT, "shared")) for pattern in ("*.py", "evals/*.py")
-               for p in glob.glob(os.path.join(ROOT, "shared", pattern))]
+    modules = [
+        os.path.relpath(p, os.path.join(ROOT, "shared"))
+        for pattern in ("*.py", "evals/*.py")
+        for p in glob.glob(os.path.join(ROOT, "shared", pattern))
+    ]
     missing = [m for m in modules if not m.endswith("__init__.py") and f"`{m}`" not in agents]
-    missing += [f"tools/{os.path.basename(p)}" for p in glob.glob(os.path.join(ROOT, "tools", "*.py"))
-                if f"tools/{os.path.basename(p)}" not in agents]
+    missing += [
+        f"tools/{os.path.basename(p)}"
+        for p in glob.glob(os.path.join(ROOT, "tools", "*.py"))
+        if f"tools/{os.path.basename(p)}" not in agents
+    ]
     assert not missing, f"AGENTS.md's map does not name {sorted(missing)}"
 
 
@@ -211,8 +262,11 @@ REMOVED = {
 
 
 def test_nothing_removed_is_still_described():
-    files = DOCS + [os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "**", "*.py"), recursive=True)
-                    if not p.startswith(os.path.join(ROOT, ".venv")) and not p.endswith("test_docs.py")]
+    files = DOCS + [
+        os.path.relpath(p, ROOT)
+        for p in glob.glob(os.path.join(ROOT, "**", "*.py"), recursive=True)
+        if not p.startswith(os.path.join(ROOT, ".venv")) and not p.endswith("test_docs.py")
+    ]
     stale = [f"{f}: {phrase!r} ({now})" for f in files for phrase, now in REMOVED.items() if phrase in text(f)]
     assert not stale, "\n".join(stale)
 
@@ -241,6 +295,7 @@ def test_ci_runs_the_readmes_test_command():
 
 # ---------------------------------------------------------------- what the docs promise about inputs and exports
 
+
 def test_the_text_inputs_the_docs_list_are_the_accepted_ones():
     """docs/data.md's inputs and README.md's `--data.source` comment list exactly shared/sources.TEXT_EXTS."""
     from shared.sources import TEXT_EXTS
@@ -264,13 +319,17 @@ def test_a_variant_without_hf_py_says_so_in_its_readme(folder):
     if os.path.isfile(os.path.join(ROOT, folder, "hf.py")):
         pytest.skip(f"{folder} has an hf.py (tests/test_hf.py checks it)")
     readme = os.path.join(folder, "README.md")
-    assert os.path.isfile(os.path.join(ROOT, readme)), f"{folder}: no README.md (its '## Hugging Face' section says why there is no hf.py)"
+    assert os.path.isfile(os.path.join(ROOT, readme)), (
+        f"{folder}: no README.md (its '## Hugging Face' section says why there is no hf.py)"
+    )
     section = re.search(r"\n## Hugging Face\n(.*?)(\n## |\Z)", text(readme), re.S)
     assert section, f"{readme}: no '## Hugging Face' section (the folder has no hf.py: say why)"
     body = section.group(1)
-    for what, ok in (("the words 'no Hugging Face export'", "no Hugging Face export" in body),
-                     ("the closest transformers class as `<Name>ForCausalLM`", re.search(r"`\w+ForCausalLM`", body)),
-                     ("a link to docs/huggingface.md", "docs/huggingface.md" in body)):
+    for what, ok in (
+        ("the words 'no Hugging Face export'", "no Hugging Face export" in body),
+        ("the closest transformers class as `<Name>ForCausalLM`", re.search(r"`\w+ForCausalLM`", body)),
+        ("a link to docs/huggingface.md", "docs/huggingface.md" in body),
+    ):
         assert ok, f"{readme}: its '## Hugging Face' section lacks {what}"
 
 
@@ -286,10 +345,16 @@ def test_a_folders_figures_name_their_command_and_commit(folder):
     readme = os.path.join(folder, "README.md")
     if not os.path.isfile(os.path.join(ROOT, readme)):
         pytest.skip(f"{folder} has no README.md")
-    bad = [para.strip()[:160] for para in re.split(r"\n\s*\n", text(readme))
-           if FIGURE.search(para) and not para.lstrip().startswith("```")
-           and not (re.search(r"`python [^`]+`", para) and MEASURED.search(para))]
-    assert not bad, f"{readme}: figures without the command (`python ...`) and `measured at <commit>` beside them: {bad}"
+    bad = [
+        para.strip()[:160]
+        for para in re.split(r"\n\s*\n", text(readme))
+        if FIGURE.search(para)
+        and not para.lstrip().startswith("```")
+        and not (re.search(r"`python [^`]+`", para) and MEASURED.search(para))
+    ]
+    assert not bad, (
+        f"{readme}: figures without the command (`python ...`) and `measured at <commit>` beside them: {bad}"
+    )
 
 
 @pytest.mark.parametrize("folder", [f for f in discover() if f != "templates/base"])
@@ -312,8 +377,10 @@ def test_a_folders_docstrings_name_its_parent_and_leave_the_diff_to_the_tool(fol
             if named != parent.group(1):
                 bad.append(f"{path}: 'Copied from {named}', but model.py's COPIED_FROM is {parent.group(1)}")
         if re.search(r"\bonly\b[^.]{0,80}\bdiffers?\b", body):
-            bad.append(f"{path}: says which lines differ from the parent; say instead that "
-                       f"`python tools/variant_diff.py {folder}` shows what differs")
+            bad.append(
+                f"{path}: says which lines differ from the parent; say instead that "
+                f"`python tools/variant_diff.py {folder}` shows what differs"
+            )
     assert not bad, bad
 
 
@@ -329,7 +396,9 @@ def test_the_top_level_tables_name_real_folders():
         if not os.path.isfile(os.path.join(folder, "model.py")):
             bad.append(f"docs/huggingface.md: variants/{name} does not exist")
         elif os.path.isfile(os.path.join(folder, "hf.py")) == (cls == "none"):
-            bad.append(f"docs/huggingface.md: {name} says {cls}, but the folder {'has' if cls == 'none' else 'has no'} hf.py")
+            bad.append(
+                f"docs/huggingface.md: {name} says {cls}, but the folder {'has' if cls == 'none' else 'has no'} hf.py"
+            )
     assert not bad, bad
 
 
@@ -343,4 +412,5 @@ def test_the_modules_that_start_servers_run_on_one_worker(request):
         pytest.skip("not a pytest-xdist worker under --dist loadgroup (the configured `-n 2 --dist loadgroup`)")
     assert request.node.nodeid.endswith("@test_docs"), (
         f"{request.node.nodeid}: pytest-xdist's --dist loadgroup did not group this module (pytest "
-        f"{pytest.__version__}); the groups conftest.py sets are ignored, so servers start once per worker")
+        f"{pytest.__version__}); the groups conftest.py sets are ignored, so servers start once per worker"
+    )

@@ -29,8 +29,15 @@ from shared.variant import ROOT, discover, load
 
 TASKS = os.path.join(ROOT, "evals", "tasks")
 HAS_LM_EVAL = importlib.util.find_spec("lm_eval") is not None
-PROBE_FLAGS = {"probes__sets": "mqar,passkey,copy", "probes__mqar_pairs": 3, "probes__mqar_gap": 10,
-               "probes__passkey_depths": "0,0.5,1", "probes__passkey_len": 3, "probes__copy_len": 8, "probes__rows": 16}
+PROBE_FLAGS = {
+    "probes__sets": "mqar,passkey,copy",
+    "probes__mqar_pairs": 3,
+    "probes__mqar_gap": 10,
+    "probes__passkey_depths": "0,0.5,1",
+    "probes__passkey_len": 3,
+    "probes__copy_len": 8,
+    "probes__rows": 16,
+}
 
 
 def roles():
@@ -39,6 +46,7 @@ def roles():
 
 # ---------------------------------------------------------------- the probes' sequences
 
+
 def test_mqar_answers_are_the_values_of_the_queried_keys():
     cfg = probes.ProbeConfig(sets="mqar", mqar_pairs=5, mqar_gap=20)
     r = roles()
@@ -46,7 +54,7 @@ def test_mqar_answers_are_the_values_of_the_queried_keys():
     assert toks.shape == ans.shape == (12, 65) and toks.dtype == np.int32
     for t, a in zip(toks, ans):
         assert t[-1] == r.eos and not np.isin(t[:-1], [r.eos, 3]).any()
-        pairs = dict(zip(t[64 - 4 * 5 - 20:64 - 2 * 5 - 20:2], t[64 - 4 * 5 - 20 + 1:64 - 2 * 5 - 20:2]))
+        pairs = dict(zip(t[64 - 4 * 5 - 20 : 64 - 2 * 5 - 20 : 2], t[64 - 4 * 5 - 20 + 1 : 64 - 2 * 5 - 20 : 2]))
         assert len(pairs) == 5 and set(pairs) <= set(r.keys) and set(pairs.values()) <= set(r.values)
         where = np.flatnonzero(a)
         assert len(where) == 5
@@ -64,7 +72,7 @@ def test_passkey_answers_are_the_key_at_its_depth():
         for t, a in zip(toks, ans):
             first = list(t).index(r.marker)
             assert first == round(depth * (64 - 10))
-            assert list(t[first + 1:first + 5]) == list(t[a])  # the key the answers repeat
+            assert list(t[first + 1 : first + 5]) == list(t[a])  # the key the answers repeat
             assert t[59] == r.marker and np.flatnonzero(a).tolist() == [60, 61, 62, 63]
 
 
@@ -83,10 +91,17 @@ def test_roles_are_disjoint_and_fixed():
     assert (r.keys == again.keys).all() and r.marker == again.marker
 
 
-@pytest.mark.parametrize("kw,field", [({"sets": "mqar,recall"}, "probes.sets"), ({"sets": "copy,copy"}, "probes.sets"),
-                                      ({"passkey_depths": "0.5,1.5"}, "probes.passkey_depths"),
-                                      ({"passkey_depths": "half"}, "probes.passkey_depths"),
-                                      ({"rows": 0}, "probes.rows"), ({"mqar_gap": -1}, "probes.mqar_gap")])
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        ({"sets": "mqar,recall"}, "probes.sets"),
+        ({"sets": "copy,copy"}, "probes.sets"),
+        ({"passkey_depths": "0.5,1.5"}, "probes.passkey_depths"),
+        ({"passkey_depths": "half"}, "probes.passkey_depths"),
+        ({"rows": 0}, "probes.rows"),
+        ({"mqar_gap": -1}, "probes.mqar_gap"),
+    ],
+)
 def test_probe_config_errors_name_the_field(kw, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         probes.ProbeConfig(**kw)
@@ -100,6 +115,7 @@ def test_a_probe_longer_than_a_row_is_refused(tiny_dense, tmp_path):
 
 
 # ---------------------------------------------------------------- scoring
+
 
 def test_score_is_the_models_log_softmax_and_argmax():
     model = load(os.path.join(ROOT, "variants", "dense", "model.py"))
@@ -135,13 +151,17 @@ def test_a_probe_named_like_a_source_says_to_rename_the_source(tiny_dense, tmp_p
     naming the source, not a --data.eval set."""
     d = os.path.dirname(tiny_dense.corpus)
     mix = data.DataConfig(source=f"text={d}/*coder.py.txt@1,mqar={d}/*s*.py.txt@1", val_fraction=0.2)
-    with pytest.raises(ConfigError, match=r"probes.sets: probe set\(s\) \['mqar'\] have the name of a source of "
-                                          r"data.source .* rename that source"):
+    with pytest.raises(
+        ConfigError,
+        match=r"probes.sets: probe set\(s\) \['mqar'\] have the name of a source of "
+        r"data.source .* rename that source",
+    ):
         tiny_dense.train.main(tiny_dense.config(tmp_path / "run", data=mix, **PROBE_FLAGS))
     assert not os.path.exists(tmp_path / "run")
 
 
 # ---------------------------------------------------------------- lm-eval: errors
+
 
 @pytest.mark.skipif(HAS_LM_EVAL, reason="lm-eval is installed: this checks the message without it")
 def test_without_lm_eval_the_command_says_what_to_install(capsys):
@@ -196,18 +216,31 @@ def test_a_checkpoint_without_its_tokenizer_is_refused(lm_eval_model, dense_run,
 @pytest.mark.integration  # lm-eval indexes its own thousands of task files (over 10 s) to say a name is none of them
 def test_lm_eval_tasks_in_the_loop_are_checked_first(lm_eval_model, tiny_dense, tmp_path):
     with pytest.raises(harness.LMEvalError, match="unknown lm-eval task 'no_such_task'"):
-        tiny_dense.train.main(tiny_dense.config(tmp_path / "run", lm_eval_tasks="no_such_task",
-                                                lm_eval_include=TASKS))
+        tiny_dense.train.main(tiny_dense.config(tmp_path / "run", lm_eval_tasks="no_such_task", lm_eval_include=TASKS))
     assert not os.path.exists(tmp_path / "run" / "checkpoints")
 
 
 # ---------------------------------------------------------------- lm-eval: real runs
 
+
 @pytest.mark.integration  # a subprocess running lm-eval over the three offline tasks
 def test_command_runs_the_offline_tasks(lm_eval_model, dense_run, tmp_path):
     out = tmp_path / "r.json"
-    cmd = [sys.executable, "-m", "shared.lm_eval_model", "--run_dir", dense_run, "--tasks",
-           "stencil_mc,stencil_ppl,stencil_gen", "--include_path", TASKS, "--limit", "6", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "shared.lm_eval_model",
+        "--run_dir",
+        dense_run,
+        "--tasks",
+        "stencil_mc,stencil_ppl,stencil_gen",
+        "--include_path",
+        TASKS,
+        "--limit",
+        "6",
+        "--out",
+        str(out),
+    ]
     p = subprocess.run(cmd, cwd=ROOT, env=sub_env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "|stencil_mc " in p.stdout and "bits_per_byte" in p.stdout  # lm-eval's table
@@ -221,9 +254,17 @@ def test_command_runs_the_offline_tasks(lm_eval_model, dense_run, tmp_path):
 @pytest.mark.integration  # lm-eval in the train loop (TaskManager, three tasks at every evaluation)
 def test_lm_eval_in_the_loop(lm_eval_model, tiny_dense, tmp_path, capsys):
     """lm-eval's metrics on the eval cadence, in metrics.jsonl and on the console's eval line (metrics only)."""
-    out = tiny_dense.train.main(tiny_dense.config(tmp_path / "run", steps=2, eval_every=2, save_every=0,
-                                                  lm_eval_tasks="stencil_mc,stencil_ppl", lm_eval_limit=4,
-                                                  lm_eval_include=TASKS))
+    out = tiny_dense.train.main(
+        tiny_dense.config(
+            tmp_path / "run",
+            steps=2,
+            eval_every=2,
+            save_every=0,
+            lm_eval_tasks="stencil_mc,stencil_ppl",
+            lm_eval_limit=4,
+            lm_eval_include=TASKS,
+        )
+    )
     rows = [json.loads(line) for line in open(os.path.join(out["run_dir"], "metrics.jsonl"))]
     last = [r for r in rows if "eval/loss" in r][-1]
     assert 0 <= last["eval/lm_eval/stencil_mc/acc"] <= 1
@@ -281,11 +322,15 @@ def test_every_folders_loglikelihoods_do_not_depend_on_the_batch(lm_eval_model, 
     with jax.set_mesh(m):
         params = jax.jit(lambda k: model.init(cfg, k))(jax.random.key(0))
     rows = decode.rows_multiple(model, cfg, m)
-    tok = Tokenizer.from_str('{"version": "1.0", "model": {"type": "WordLevel", "vocab": {"<|eos|>": 0}, "unk_token": "<|eos|>"}}')
+    tok = Tokenizer.from_str(
+        '{"version": "1.0", "model": {"type": "WordLevel", "vocab": {"<|eos|>": 0}, "unk_token": "<|eos|>"}}'
+    )
     lm = harness.StencilLM(model, params, cfg, m, tok, eos_id=0, max_length=64, batch_size=rows)
     rng = np.random.default_rng(0)
-    reqs = [(None, list(rng.integers(1, cfg.vocab_size, n)), list(rng.integers(1, cfg.vocab_size, 3)))
-            for n in (5, 20, 40, 90)]  # 90: left-truncated to the last 65 tokens
+    reqs = [
+        (None, list(rng.integers(1, cfg.vocab_size, n)), list(rng.integers(1, cfg.vocab_size, 3)))
+        for n in (5, 20, 40, 90)
+    ]  # 90: left-truncated to the last 65 tokens
     got = lm._loglikelihood_tokens(reqs)
     with jax.set_mesh(m):
         for (_, ctx, cont), (ll, _) in zip(reqs, got):
@@ -299,12 +344,29 @@ def test_write_makes_training_documents_of_one_probe(tmp_path, capsys):
     from tokenizers import Tokenizer
 
     vocab = {"<|eos|>": 0, **{f"w{i}": i for i in range(1, 300)}}
-    tok = Tokenizer.from_str(json.dumps({"version": "1.0", "model": {"type": "WordLevel", "vocab": vocab,
-                                                                        "unk_token": "<|eos|>"}}))
+    tok = Tokenizer.from_str(
+        json.dumps({"version": "1.0", "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<|eos|>"}})
+    )
     tok.save(str(tmp_path / "tok.json"))
     out = tmp_path / "mqar"
-    args = ["write", "mqar", "--out", str(out), "--tokenizer", str(tmp_path / "tok.json"), "--vocab_size", "300",
-            "--seq_len", "40", "--n", "5", "--mqar_pairs", "4", "--mqar_gap", "8"]
+    args = [
+        "write",
+        "mqar",
+        "--out",
+        str(out),
+        "--tokenizer",
+        str(tmp_path / "tok.json"),
+        "--vocab_size",
+        "300",
+        "--seq_len",
+        "40",
+        "--n",
+        "5",
+        "--mqar_pairs",
+        "4",
+        "--mqar_gap",
+        "8",
+    ]
     assert probes_command.main(args) == 0
     docs = np.load(out / "mqar.npy").reshape(5, 41)
     assert (docs[:, -1] == 0).all() and not (docs[:, :-1] == 0).any()  # one eos, at the end of each document
@@ -313,5 +375,8 @@ def test_write_makes_training_documents_of_one_probe(tmp_path, capsys):
     assert not any((d == e).all() for d in docs for e in evals)  # never an evaluation sequence
     assert os.path.isfile(out / "tokenizer.json")
     assert probes_command.main(args) == 2 and "not an empty directory" in capsys.readouterr().err  # nothing overwritten
-    assert probes_command.main([*args[:3], str(tmp_path / "other"), *args[4:-4], "--mqar_pairs", "9", "--mqar_gap", "8"]) == 2
+    assert (
+        probes_command.main([*args[:3], str(tmp_path / "other"), *args[4:-4], "--mqar_pairs", "9", "--mqar_gap", "8"])
+        == 2
+    )
     assert "probes.mqar_pairs" in capsys.readouterr().err  # 4 x 9 + 8 > 40

@@ -70,8 +70,9 @@ def test_saves_listings_restores_and_token_store_reads_retry_through_a_faulty_st
     rows = []
     for fail in (0.0, 0.3):
         faulty.fail = fail
-        corpus = load_corpus(DataConfig(source=store, val_fraction=0.1, cache_dir=str(tmp_path / "c")), 512,
-                             progress=False)
+        corpus = load_corpus(
+            DataConfig(source=store, val_fraction=0.1, cache_dir=str(tmp_path / "c")), 512, progress=False
+        )
         loader = data.make_loader(corpus, 32, 8, seed=1)
         rows.append([loader.next() for _ in range(6)] + data.eval_batches(corpus.val, 32, 4, 2))
     assert len(rows[0]) == len(rows[1]) == 8
@@ -87,10 +88,12 @@ def test_a_run_through_a_faulty_store_resumes_bit_exactly(faulty, tiny_dense, tm
     """The run's lock, asynchronous saves, listing and restore on a store faulting 20% of requests."""
     url = _bucket(faulty, "run") + "/ck"
     faulty.fail = 0.2
-    first = train.main(tiny_dense.config(tmp_path / "run", **END_ONLY, steps=6, stop_at=4, save_every=2,
-                                         checkpoint_dir=url))
-    resumed = train.main(tiny_dense.config(tmp_path / "run", **END_ONLY, steps=6, save_every=2, resume=True,
-                                           checkpoint_dir=url))
+    first = train.main(
+        tiny_dense.config(tmp_path / "run", **END_ONLY, steps=6, stop_at=4, save_every=2, checkpoint_dir=url)
+    )
+    resumed = train.main(
+        tiny_dense.config(tmp_path / "run", **END_ONLY, steps=6, save_every=2, resume=True, checkpoint_dir=url)
+    )
     straight = train.main(tiny_dense.config(tmp_path / "straight", **END_ONLY, steps=6, save_every=0))
     assert {**first["losses"], **resumed["losses"]} == straight["losses"]
     for x, y in zip(jax.tree.leaves(resumed["state"]), jax.tree.leaves(straight["state"])):
@@ -104,14 +107,25 @@ def test_a_store_failing_past_the_retry_budget_stops_the_run_naming_the_checkpoi
     url = _bucket(faulty, "budget") + "/ck"
     run = tmp_path / "run"
     faulty.fail, faulty.only, faulty.kinds = 1.0, r"/step_00000004/", ("503", "reset")  # a delay would pass
-    r = subprocess.run([sys.executable, tiny_dense.script, *tiny_dense.flags(run, **END_ONLY, steps=8, save_every=2,
-                                                                              checkpoint_dir=url)],
-                       env=sub_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            tiny_dense.script,
+            *tiny_dense.flags(run, **END_ONLY, steps=8, save_every=2, checkpoint_dir=url),
+        ],
+        env=sub_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert r.returncode == 1, r.stderr[-3000:]
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
-    assert errors[0].startswith(f"error: saving step 4 to {url}/step_00000004 failed (the object store kept failing "
-                                "past the retry budget, STENCIL_STORE_RETRIES)"), errors[0]
+    assert errors[0].startswith(
+        f"error: saving step 4 to {url}/step_00000004 failed (the object store kept failing "
+        "past the retry budget, STENCIL_STORE_RETRIES)"
+    ), errors[0]
     assert f"the last checkpoint is {url}/step_00000002" in errors[0], errors[0]
     assert 4 <= max(losses(run)) < 8  # stopped a step or so after the save began, not at the end
     faulty.fail = 0.0
@@ -126,6 +140,7 @@ def test_a_store_failing_past_the_retry_budget_stops_the_run_naming_the_checkpoi
 
 # ---------------------------------------------------------------- a process other than 0 fails its part of a save
 
+
 def _free_port():
     import socket
 
@@ -139,11 +154,24 @@ def _start_pair(args, endpoints):
     to the S3 endpoint given for it (process 1's through the fault proxy)."""
     port, procs = _free_port(), []
     for i, endpoint in enumerate(endpoints):
-        env = sub_env(STENCIL_COORDINATOR=f"127.0.0.1:{port}", STENCIL_NUM_PROCESSES="2", STENCIL_PROCESS_ID=str(i),
-                      STENCIL_HEARTBEAT_TIMEOUT="10", XLA_FLAGS="--xla_force_host_platform_device_count=4",
-                      AWS_ENDPOINT_URL_S3=endpoint)
-        procs.append(subprocess.Popen([sys.executable, SCRIPT, *args], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, cwd=ROOT))
+        env = sub_env(
+            STENCIL_COORDINATOR=f"127.0.0.1:{port}",
+            STENCIL_NUM_PROCESSES="2",
+            STENCIL_PROCESS_ID=str(i),
+            STENCIL_HEARTBEAT_TIMEOUT="10",
+            XLA_FLAGS="--xla_force_host_platform_device_count=4",
+            AWS_ENDPOINT_URL_S3=endpoint,
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, SCRIPT, *args],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                cwd=ROOT,
+            )
+        )
     return procs
 
 
@@ -186,8 +214,10 @@ def test_process_1_refused_its_writes_of_a_save(two, tmp_path):
     print(f"\nprocess 1's writes refused: both stopped {took:.0f} s after the start")
     assert rc0 != 0 and rc1 != 0, out0[-3000:] + out1[-3000:]
     assert "error: process 1 of 2: saving step 4 to" in out1, out1[-3000:]
-    assert ("process 1 could not write its shards of step 4" in out0
-            or "The following tasks are unhealthy (stopped sending heartbeats):\n1\n" in out0), out0[-3000:]
+    assert (
+        "process 1 could not write its shards of step 4" in out0
+        or "The following tasks are unhealthy (stopped sending heartbeats):\n1\n" in out0
+    ), out0[-3000:]
     two.fail, two.kinds = 0.0, fault_proxy.KINDS
     assert [os.path.basename(c) for c in checkpoint.all_checkpoints(url)] == ["step_00000002"]
     logged = losses(run)
@@ -263,9 +293,14 @@ def test_soak_sigkill_at_random_moments_of_a_two_process_run(tiny_dense, tmp_pat
 
     def launch(run_dir, *extra):
         flags = tiny_dense.flags(run_dir, **END_ONLY, steps=steps, save_every=1, keep_checkpoints=2)
-        return subprocess.Popen([sys.executable, LOCAL, "--nproc", "2", "--devices", "2", "--", *flags, *extra],
-                                env=sub_env(STENCIL_HEARTBEAT_TIMEOUT="10"), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        return subprocess.Popen(
+            [sys.executable, LOCAL, "--nproc", "2", "--devices", "2", "--", *flags, *extra],
+            env=sub_env(STENCIL_HEARTBEAT_TIMEOUT="10"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+        )
 
     p = launch(straight)
     out, _ = p.communicate(timeout=900)
@@ -302,8 +337,10 @@ def test_soak_sigkill_at_random_moments_of_a_two_process_run(tiny_dense, tmp_pat
     p = launch(run, "--resume", "true")
     out, _ = p.communicate(timeout=900)
     assert p.returncode == 0, out[-3000:]
-    print(f"\nsoak: {kills} SIGKILLs, {resumes + 1} resumes; step {at_last_kill} logged at the last kill; the run "
-          f"reached step {steps}")
+    print(
+        f"\nsoak: {kills} SIGKILLs, {resumes + 1} resumes; step {at_last_kill} logged at the last kill; the run "
+        f"reached step {steps}"
+    )
     assert kills >= kills_wanted
     got, want = losses(run), losses(straight)
     assert sorted(got) == list(range(1, steps + 1)) and got == want

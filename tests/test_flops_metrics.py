@@ -48,9 +48,11 @@ def test_mfu_and_peaks(monkeypatch):
     monkeypatch.setattr(flops, "cpu_peak", lambda: calls.append(1) or measured)
     peak, src = flops.device_peak("float32")
     assert peak == 4e11 / jax.local_device_count()
-    assert src == ("fp32 matmul measured at start, 400 GFLOP/s = 200 per CPU-second x 2 cores (best of 7 after a "
-                   "warm-up, n=1024; its repetitions 300-400, median 350; sizes 512: 380, 1024: 400); by the wall "
-                   "clock 100 GFLOP/s, 25% of it")
+    assert src == (
+        "fp32 matmul measured at start, 400 GFLOP/s = 200 per CPU-second x 2 cores (best of 7 after a "
+        "warm-up, n=1024; its repetitions 300-400, median 350; sizes 512: 380, 1024: 400); by the wall "
+        "clock 100 GFLOP/s, 25% of it"
+    )
     assert flops.device_peak("float32")[0] == peak and calls == [1]  # once per process
 
 

@@ -37,15 +37,25 @@ def run(small_corpus, tmp_path_factory):
     cfg = train.TrainConfig(
         data=data.DataConfig(source=small_corpus, val_fraction=0.1),
         model=model.ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128),
-        seq_len=32, batch_size=8, steps=4, run_dir=str(d), wandb="disabled", sample_prompt="def ")
+        seq_len=32,
+        batch_size=8,
+        steps=4,
+        run_dir=str(d),
+        wandb="disabled",
+        sample_prompt="def ",
+    )
     corpus = data.load_corpus(cfg.data, cfg.model.vocab_size, progress=False)
     os.makedirs(d)
     corpus.tokenizer.save(str(d / "tokenizer.json"))
     m = train.make_mesh(cfg)
     with jax.set_mesh(m):
         params = jax.jit(lambda k: model.init(cfg.model, k))(jax.random.key(3))
-        checkpoint.save(str(d / "checkpoints"), 4, {"params": params, "step": jnp.int32(4)},
-                        {"config": dataclasses.asdict(cfg), "variant": "dense"})
+        checkpoint.save(
+            str(d / "checkpoints"),
+            4,
+            {"params": params, "step": jnp.int32(4)},
+            {"config": dataclasses.asdict(cfg), "variant": "dense"},
+        )
     return {"dir": str(d), "cfg": cfg, "params": params, "corpus": corpus, "mesh": m}
 
 
@@ -93,13 +103,18 @@ def test_bad_inputs_get_one_clear_error():
     ok = [[1, 2, 3]] * 4
     decode.check_prompts(ok, max_len=8, vocab_size=10)
     for prompts, max_len, match in (
-            ([], 8, "no prompts"),
-            ([[1, 2], []], 8, "prompt 2 is empty"),
-            ([[1] * 8], 8, "prompt 1 has 8 tokens, and max_len is 8"),
-            ([[1, 12]], 8, r"outside the model's vocabulary of 10: \[12\]")):
+        ([], 8, "no prompts"),
+        ([[1, 2], []], 8, "prompt 2 is empty"),
+        ([[1] * 8], 8, "prompt 1 has 8 tokens, and max_len is 8"),
+        ([[1, 12]], 8, r"outside the model's vocabulary of 10: \[12\]"),
+    ):
         with pytest.raises(decode.GenerateError, match=match):
             decode.check_prompts(prompts, max_len=max_len, vocab_size=10)
-    for kw, match in (({"temperature": -1.0}, "--temperature"), ({"top_k": -2}, "--top_k"), ({"top_p": 0.0}, "--top_p")):
+    for kw, match in (
+        ({"temperature": -1.0}, "--temperature"),
+        ({"top_k": -2}, "--top_k"),
+        ({"top_p": 0.0}, "--top_p"),
+    ):
         with pytest.raises(decode.GenerateError, match=match):
             decode.Sampling(**kw)
 
@@ -111,12 +126,15 @@ def test_batch_eos_and_max_len(run):
     prompts = [[5, 9, 200, 31, 7, 7, 100], [3], [44, 45, 46]]
     m = mesh(1)
     with jax.set_mesh(m):
-        params = jax.device_put(jax.device_get(run["params"]), jax.tree.map(
-            lambda s: jax.NamedSharding(m, s), model.param_specs(cfg)))
+        params = jax.device_put(
+            jax.device_get(run["params"]), jax.tree.map(lambda s: jax.NamedSharding(m, s), model.param_specs(cfg))
+        )
     kw = dict(mesh=m, max_new_tokens=8)
     batch = decode.generate(model, params, cfg, prompts, **kw)
     alone = [c.tokens for c in batch]
-    assert decode.generate(model, params, cfg, [prompts[1]], **kw)[0].tokens == alone[1]  # 6 slots of padding in the batch
+    assert (
+        decode.generate(model, params, cfg, [prompts[1]], **kw)[0].tokens == alone[1]
+    )  # 6 slots of padding in the batch
     assert all(c.stop == "max_new_tokens" for c in batch) and all(len(t) == 8 for t in alone)
     eos = alone[0][2]  # row 0's third token: row 0 stops there; another row stops where it says the same
     stopped = decode.generate(model, params, cfg, prompts, eos_id=eos, **kw)
@@ -139,11 +157,13 @@ def test_any_number_of_prompts_on_any_mesh(run):
     prompts = [[5, 9, 200, 31, 7, 7, 100], [3], [44, 45, 46]]
     rows = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (4, 10), dtype=np.int32)
     got = {}
-    for name, m in (("one device", mesh(1)), ("data 8", train.make_mesh(cfg)),
-                    ("context 2", train.make_mesh(dataclasses.replace(cfg, mesh_context=2, mesh_model=2)))):
+    for name, m in (
+        ("one device", mesh(1)),
+        ("data 8", train.make_mesh(cfg)),
+        ("context 2", train.make_mesh(dataclasses.replace(cfg, mesh_context=2, mesh_model=2))),
+    ):
         with jax.set_mesh(m):
-            params = jax.device_put(host, jax.tree.map(lambda s: jax.NamedSharding(m, s),
-                                                       model.param_specs(cfg.model)))
+            params = jax.device_put(host, jax.tree.map(lambda s: jax.NamedSharding(m, s), model.param_specs(cfg.model)))
         done = decode.generate(model, params, cfg.model, prompts, mesh=m, max_new_tokens=6)
         lp, greedy = probes.score(model, params, cfg.model, m, rows, 3)  # rounded up to the row axes' multiple
         got[name] = ([c.tokens for c in done], lp, greedy)
@@ -166,17 +186,20 @@ def test_command_refusals(run, capsys, tmp_path):
     d = run["dir"]
     (tmp_path / "taken.jsonl").write_text("")
     for argv, expected in (
-            ([d, "--prompt", "x", "--variant", "swa_hybrid"], "was saved by variant 'dense', not 'swa_hybrid'"),
-            ([d, "--prompt", "a", "--prompt", "def f(x): return x + 1", "--max_len", "4"],
-             "--prompt #2 has 1"),  # 10+ tokens
-            ([d, "--prompt", ""], "--prompt #1 is empty"),
-            ([d, "--prompt", "a", "--out", str(tmp_path / "taken.jsonl")], "exists; choose a new file"),
-            ([d], "no prompts"),
-            ([d, "--prompt", "a", "--step", "3"], "no checkpoint"),
-            ([str(tmp_path), "--prompt", "a"], "no complete checkpoint"),
-            (["--prompt", "a"], "give a run directory or checkpoint, or --init_from hf:DIR"),
-            ([d, "--prompt", "a", "--weights", "ema"], "keeps no moving average"),
-            ([d, "--prompt", "a", "--temperature", "-1"], "--temperature must be >= 0")):
+        ([d, "--prompt", "x", "--variant", "swa_hybrid"], "was saved by variant 'dense', not 'swa_hybrid'"),
+        (
+            [d, "--prompt", "a", "--prompt", "def f(x): return x + 1", "--max_len", "4"],
+            "--prompt #2 has 1",
+        ),  # 10+ tokens
+        ([d, "--prompt", ""], "--prompt #1 is empty"),
+        ([d, "--prompt", "a", "--out", str(tmp_path / "taken.jsonl")], "exists; choose a new file"),
+        ([d], "no prompts"),
+        ([d, "--prompt", "a", "--step", "3"], "no checkpoint"),
+        ([str(tmp_path), "--prompt", "a"], "no complete checkpoint"),
+        (["--prompt", "a"], "give a run directory or checkpoint, or --init_from hf:DIR"),
+        ([d, "--prompt", "a", "--weights", "ema"], "keeps no moving average"),
+        ([d, "--prompt", "a", "--temperature", "-1"], "--temperature must be >= 0"),
+    ):
         code, out, err = cli(argv, capsys)
         assert code == 2 and expected in err and "Traceback" not in err, (argv, err)
         assert out == "", out
@@ -217,16 +240,26 @@ def test_command_end_to_end(run, tmp_path):
     hf_dir = tmp_path / "hf"
     hf.export(run["dir"], str(hf_dir), progress=False)
     texts = ["def ", "import os\n", "class A:"]
-    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(t) + "\n" for t in texts[:2]) +
-                                            json.dumps({"prompt": texts[2]}) + "\n")
+    (tmp_path / "prompts.jsonl").write_text(
+        "".join(json.dumps(t) + "\n" for t in texts[:2]) + json.dumps({"prompt": texts[2]}) + "\n"
+    )
     env = {**os.environ, "PYTHONPATH": ROOT}  # 8 devices (conftest.py): 3 prompts on a data axis of 8
-    base = [sys.executable, "-m", "shared.generate", "--prompts", str(tmp_path / "prompts.jsonl"),
-            "--max_new_tokens", "10", "--ignore_eos"]
+    base = [
+        sys.executable,
+        "-m",
+        "shared.generate",
+        "--prompts",
+        str(tmp_path / "prompts.jsonl"),
+        "--max_new_tokens",
+        "10",
+        "--ignore_eos",
+    ]
     outs = {}
     for name, source in (("run", [run["dir"]]), ("hf", ["--init_from", f"hf:{hf_dir}"])):
         out = tmp_path / f"{name}.jsonl"
-        r = subprocess.run(base + source + ["--out", str(out)], capture_output=True, text=True, env=env, cwd=ROOT,
-                           timeout=300)
+        r = subprocess.run(
+            base + source + ["--out", str(out)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
+        )
         assert r.returncode == 0, r.stderr
         outs[name] = [json.loads(line) for line in out.read_text().splitlines()]
     assert outs["run"] == outs["hf"], (outs["run"], outs["hf"])
@@ -234,10 +267,12 @@ def test_command_end_to_end(run, tmp_path):
     cfg = run["cfg"].model
     m = mesh(1)
     with jax.set_mesh(m):
-        params = jax.device_put(jax.device_get(run["params"]), jax.tree.map(
-            lambda s: jax.NamedSharding(m, s), model.param_specs(cfg)))
-    want = decode.generate(model, params, cfg, [tok.encode(t, add_special_tokens=False).ids for t in texts], mesh=m,
-                        max_new_tokens=10)
+        params = jax.device_put(
+            jax.device_get(run["params"]), jax.tree.map(lambda s: jax.NamedSharding(m, s), model.param_specs(cfg))
+        )
+    want = decode.generate(
+        model, params, cfg, [tok.encode(t, add_special_tokens=False).ids for t in texts], mesh=m, max_new_tokens=10
+    )
     assert [r["prompt"] for r in outs["run"]] == texts
     assert [r["completion"] for r in outs["run"]] == [tok.decode(c.tokens, skip_special_tokens=False) for c in want]
     assert all(r["new_tokens"] == 10 and r["stop"] == "max_new_tokens" for r in outs["run"])

@@ -75,8 +75,9 @@ def cases():
 
 
 def mesh(data_=4, model_=2):
-    return jax.make_mesh((data_, model_), ("data", "model"), axis_types=(AxisType.Explicit,) * 2,
-                         devices=jax.devices()[: data_ * model_])
+    return jax.make_mesh(
+        (data_, model_), ("data", "model"), axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[: data_ * model_]
+    )
 
 
 def random_params(folder, cfg, seed=0):
@@ -90,7 +91,9 @@ def random_params(folder, cfg, seed=0):
         a = ((1.0 if role in ("norm", "gain") else 0.0) + 0.15 * rng.standard_normal(shape)).astype(np.float32)
         return hfio.place(np.asarray(jnp.asarray(a, dtype)), spec)
 
-    return jax.tree.map(make, mod.param_shapes(cfg), mod.param_specs(cfg), roles, is_leaf=lambda s: isinstance(s, tuple))
+    return jax.tree.map(
+        make, mod.param_shapes(cfg), mod.param_specs(cfg), roles, is_leaf=lambda s: isinstance(s, tuple)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +121,11 @@ def hf_logits(directory, tokens, positions):
     torch, transformers = transformers_or_skip()
     m = transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager", dtype=torch.float32)
     with torch.no_grad():
-        out = m(input_ids=torch.tensor(tokens, dtype=torch.long), use_cache=False,
-                position_ids=torch.tensor(np.asarray(positions), dtype=torch.long))
+        out = m(
+            input_ids=torch.tensor(tokens, dtype=torch.long),
+            use_cache=False,
+            position_ids=torch.tensor(np.asarray(positions), dtype=torch.long),
+        )
     return out.logits.numpy()
 
 
@@ -130,6 +136,7 @@ def tensors(directory) -> dict:
 
 # ---------------------------------------------------------------- against transformers
 
+
 @HF
 @pytest.mark.parametrize("folder,kw", cases())
 def test_export_logits_match_transformers(folder, kw, tmp_path, tokenizer_file):
@@ -139,8 +146,9 @@ def test_export_logits_match_transformers(folder, kw, tmp_path, tokenizer_file):
     tokens, seg = packed_batch()
     with jax.set_mesh(mesh()):
         params = random_params(folder, cfg)
-        out = hf.export_params(params, cfg, str(tmp_path / "hf"), tokenizer_file, max_length=64,
-                               max_shard_size="40KB", progress=False)
+        out = hf.export_params(
+            params, cfg, str(tmp_path / "hf"), tokenizer_file, max_length=64, max_shard_size="40KB", progress=False
+        )
         ours = stencil_logits(folder, params, cfg, tokens, seg)
         pos = hf.model.positions(jnp.asarray(tokens), jnp.asarray(seg))
     index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
@@ -219,17 +227,32 @@ def test_import_a_transformers_model_and_train_from_it(folder, tmp_path, tokeniz
     # a few steps from it: the weights are the imported ones (a tiny lr barely moves them) and the loss is finite;
     # with the rows split over `context`, two micro-batches, a probe and the end-of-run sample on
     train = load(os.path.join(ROOT, folder, "train.py"))
-    tcfg = train.TrainConfig(init_from=f"hf:{d}", data=data.DataConfig(source=small_corpus, val_fraction=0.1),
-                             seq_len=32, batch_size=8, steps=3, lr=1e-9, warmup_steps=0, eval_every=3, eval_batches=1,
-                             log_every=1, run_dir=str(tmp_path / "run"), wandb="disabled", sample_tokens=4,
-                             mesh_model=2, mesh_context=2, grad_accum=2,
-                             probes=probes.ProbeConfig(sets="mqar", rows=8, mqar_pairs=2, mqar_gap=4))
+    tcfg = train.TrainConfig(
+        init_from=f"hf:{d}",
+        data=data.DataConfig(source=small_corpus, val_fraction=0.1),
+        seq_len=32,
+        batch_size=8,
+        steps=3,
+        lr=1e-9,
+        warmup_steps=0,
+        eval_every=3,
+        eval_batches=1,
+        log_every=1,
+        run_dir=str(tmp_path / "run"),
+        wandb="disabled",
+        sample_tokens=4,
+        mesh_model=2,
+        mesh_context=2,
+        grad_accum=2,
+        probes=probes.ProbeConfig(sets="mqar", rows=8, mqar_pairs=2, mqar_gap=4),
+    )
     result = train.main(tcfg)
     assert len(result["losses"]) == 3 and all(np.isfinite(v) for v in result["losses"].values())
     assert result["sample"].strip() and "eval/mqar/accuracy" in metric_rows(tmp_path / "run")[-1]
     with jax.set_mesh(mesh()):
-        for a, b in zip(jax.tree.leaves(jax.device_get(result["state"]["params"])),
-                        jax.tree.leaves(jax.device_get(params))):
+        for a, b in zip(
+            jax.tree.leaves(jax.device_get(result["state"]["params"])), jax.tree.leaves(jax.device_get(params))
+        ):
             np.testing.assert_allclose(a, b, atol=1e-5)
 
 
@@ -259,8 +282,14 @@ def test_greedy_generation_matches_transformers(folder, tmp_path, tokenizer_file
     warned = Collect()
     logging.getLogger("transformers").addHandler(warned)  # transformers' loggers end there
     try:
-        theirs = m.generate(torch.tensor([prompt]), max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)[0].tolist()
+        theirs = m.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n_new,
+            min_new_tokens=n_new,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0].tolist()
     finally:
         logging.getLogger("transformers").removeHandler(warned)
     assert not [r for r in warned.records if "max_length" in r], warned.records  # none in generation_config.json
@@ -277,13 +306,19 @@ def test_export_and_import_command_lines(folder, tmp_path, tokenizer_file):
     run = tmp_path / "run"
     with jax.set_mesh(mesh()):
         params = random_params(folder, cfg, seed=4)
-        checkpoint.save(str(run / "checkpoints"), 7, {"params": params, "step": jnp.int32(7)},
-                        {"config": {"model": dataclasses.asdict(cfg), "seq_len": 32}, "variant": hf.VARIANT})
+        checkpoint.save(
+            str(run / "checkpoints"),
+            7,
+            {"params": params, "step": jnp.int32(7)},
+            {"config": {"model": dataclasses.asdict(cfg), "seq_len": 32}, "variant": hf.VARIANT},
+        )
     shutil.copyfile(tokenizer_file, run / "tokenizer.json")
     script, env = os.path.join(ROOT, folder, "hf.py"), dict(os.environ, PYTHONPATH=ROOT)
     out, back = tmp_path / "hf", tmp_path / "back"
-    cmd = (f"{sys.executable} {script} export --run_dir {run} --out {out} && "
-           f"{sys.executable} {script} import --hf_dir {out} --out {back}")
+    cmd = (
+        f"{sys.executable} {script} export --run_dir {run} --out {out} && "
+        f"{sys.executable} {script} import --hf_dir {out} --out {back}"
+    )
     r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "flags: --model.vocab_size 512 --model.d_model 64" in r.stdout, r.stdout
@@ -293,14 +328,16 @@ def test_export_and_import_command_lines(folder, tmp_path, tokenizer_file):
     with jax.set_mesh(mesh()):
         target = jax.eval_shape(lambda k: {"params": hf.model.init(cfg2, k)}, jax.random.key(0))
         restored, _ = checkpoint.restore(checkpoint.latest(str(back / "checkpoints")), target)
-        again = hf.export_params(restored["params"], cfg2, str(tmp_path / "again"), tokenizer_file, max_length=32,
-                                 progress=False)
+        again = hf.export_params(
+            restored["params"], cfg2, str(tmp_path / "again"), tokenizer_file, max_length=32, progress=False
+        )
     a, b = tensors(str(out)), tensors(again)
     assert all(np.array_equal(a[n].view(np.uint8), b[n].view(np.uint8)) for n in a) and sorted(a) == sorted(b)
     assert json.load(open(out / "config.json"))["max_position_embeddings"] == 32
 
 
 # ---------------------------------------------------------------- refusals every hf.py makes (fast)
+
 
 @pytest.mark.parametrize("folder", FOLDERS, ids=NAMES)
 def test_import_refuses_another_architecture(folder):
@@ -316,10 +353,20 @@ def test_import_refuses_a_tensor_without_a_place(folder, tmp_path, tokenizer_fil
     hf = hf_module(folder)
     cfg = tiny(folder)
     with jax.set_mesh(mesh(1, 1)):
-        out = hf.export_params(hf.model.init(cfg, jax.random.key(0)), cfg, str(tmp_path / "hf"), tokenizer_file,
-                               max_length=64, progress=False)
-    extra = hfio.Tensor("model.layers.0.self_attn.q_proj.bias", (cfg.n_heads * cfg.head_dim,), np.dtype("float32"),
-                        lambda: np.zeros(cfg.n_heads * cfg.head_dim, np.float32))
+        out = hf.export_params(
+            hf.model.init(cfg, jax.random.key(0)),
+            cfg,
+            str(tmp_path / "hf"),
+            tokenizer_file,
+            max_length=64,
+            progress=False,
+        )
+    extra = hfio.Tensor(
+        "model.layers.0.self_attn.q_proj.bias",
+        (cfg.n_heads * cfg.head_dim,),
+        np.dtype("float32"),
+        lambda: np.zeros(cfg.n_heads * cfg.head_dim, np.float32),
+    )
     os.makedirs(tmp_path / "extra")
     (shard,) = hfio.write_safetensors(str(tmp_path / "extra"), [extra], 1 << 30, progress=False)
     shutil.move(str(tmp_path / "extra" / shard), os.path.join(out, "extra.safetensors"))
@@ -337,7 +384,9 @@ def test_export_refuses_a_leaf_the_table_does_not_map(folder, monkeypatch):
     hf = hf_module(folder)
     rows = hf.tensor_map
     monkeypatch.setattr(hf, "tensor_map", lambda cfg: [r for r in rows(cfg) if r[1] != ("final_norm",)])
-    with pytest.raises(hfio.HFError, match=r"^hf.py: \w+'s params have leaves this file does not map: \['final_norm'\]"):
+    with pytest.raises(
+        hfio.HFError, match=r"^hf.py: \w+'s params have leaves this file does not map: \['final_norm'\]"
+    ):
         hf.export_tensors(tiny(folder), None, np.dtype("float32"))
 
 
@@ -354,8 +403,9 @@ def test_init_from_is_checked(tmp_path):
                 train.TrainConfig(init_from="hf:/x")
     folder = FOLDERS[0]
     train = load(os.path.join(ROOT, folder, "train.py"))
-    config = dict(hf_module(folder).hf_config(tiny(folder), "float32", 64), architectures=["GPT2LMHeadModel"],
-                  model_type="gpt2")
+    config = dict(
+        hf_module(folder).hf_config(tiny(folder), "float32", 64), architectures=["GPT2LMHeadModel"], model_type="gpt2"
+    )
     hfio.write_json(str(tmp_path / "config.json"), config)
     with pytest.raises(train.model.ConfigError, match="^init_from: model_type: "):
         train.main(train.TrainConfig(init_from=f"hf:{tmp_path}", run_dir=str(tmp_path / "run")))

@@ -15,9 +15,15 @@ def test_model_dir_files(tmp_path):
     sources.train_tokenizer(["def f(x):\n    return x\n" * 20, "class A:\n    pass\n" * 20], 300).save(tok)
     eos, eos_id = hf.tokenizer_eos(tok)
     w = np.arange(6, dtype=np.float32).reshape(2, 3)
-    out = hf.write_model_dir(str(tmp_path / "hf"), {"max_position_embeddings": 64},
-                             [hf.Tensor("w", (2, 3), np.dtype("float32"), lambda: w)], tok, max_length=64,
-                             max_shard_bytes=1 << 20, progress=False)
+    out = hf.write_model_dir(
+        str(tmp_path / "hf"),
+        {"max_position_embeddings": 64},
+        [hf.Tensor("w", (2, 3), np.dtype("float32"), lambda: w)],
+        tok,
+        max_length=64,
+        max_shard_bytes=1 << 20,
+        progress=False,
+    )
     ids = {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": eos_id}
     read = lambda name: json.loads((tmp_path / "hf" / name).read_text())  # noqa: E731
     # the row length is the model's context (config.json, tokenizer_config.json), not a generation length:

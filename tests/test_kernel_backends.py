@@ -61,8 +61,12 @@ def mesh42():
 
 # ---------------------------------------------------------------- dispatch
 
-GPU_ONLY = {"attention": ("cudnn", "flash4", "pallas"), "cross_entropy": ("quack",), "rms_norm": ("quack",),
-            "short_conv": ("triton",)}
+GPU_ONLY = {
+    "attention": ("cudnn", "flash4", "pallas"),
+    "cross_entropy": ("quack",),
+    "rms_norm": ("quack",),
+    "short_conv": ("triton",),
+}
 
 
 @pytest.fixture
@@ -104,8 +108,9 @@ def test_auto_on_cpu_takes_the_reference_or_blocked_by_the_measured_rule(monkeyp
     # each: the record keeps one entry per backend and shape)
     assert auto(128) == [] and auto(64) == []  # the same calls again: the same choice, not recorded twice
     chosen = kernels.choices()
-    assert set(chosen) == set(GPU_ONLY) and all(list(per) == ["reference"] for op, per in chosen.items()
-                                                if op != "attention"), chosen
+    assert set(chosen) == set(GPU_ONLY) and all(
+        list(per) == ["reference"] for op, per in chosen.items() if op != "attention"
+    ), chosen
     call = kernels.AttentionCall((2, 256, 4, 16), (2, 256, 2, 16), jnp.dtype(jnp.float32), True, None, False)
     assert A.BACKENDS["blocked"].auto_skip(call) is None
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # elsewhere auto passes over it: measured on CPU only
@@ -127,18 +132,22 @@ def test_every_choice_is_logged_once_and_recorded(monkeypatch, fresh_record, cap
     lines = [r.getMessage() for r in caplog.records if r.name == "stencil.kernels"]
     assert len(lines) == 3, lines  # q2's auto choice is q's with window=4's: not said again
     assert "attention backend reference for q(1, 8, 2, 16) window=None (named)" in lines
-    assert any(ln.startswith("attention backend reference for q(1, 8, 2, 16) window=4 (auto; skipped cudnn")
-               for ln in lines), lines
+    assert any(
+        ln.startswith("attention backend reference for q(1, 8, 2, 16) window=4 (auto; skipped cudnn") for ln in lines
+    ), lines
     assert "rms_norm backend reference for x(2, 8) (named by STENCIL_KERNELS)" in lines
     assert kernels.choices() == {
-        "attention": {"reference": ["q(1, 8, 2, 16) window=None", "q(1, 8, 2, 16) window=4",
-                                    "q(1, 16, 2, 16) window=None"]},
-        "rms_norm": {"reference": ["x(2, 8)"]}}
+        "attention": {
+            "reference": ["q(1, 8, 2, 16) window=None", "q(1, 8, 2, 16) window=4", "q(1, 16, 2, 16) window=None"]
+        },
+        "rms_norm": {"reference": ["x(2, 8)"]},
+    }
     kernels.choices()["attention"]["reference"].clear()  # a copy: the record is not changed through it
     assert len(kernels.choices()["attention"]["reference"]) == 3
 
 
 # ---------------------------------------------------------------- a backend that runs on CPU
+
 
 def _no_windows(c):
     return "this test backend has no sliding window" if c.window is not None else None
@@ -201,14 +210,22 @@ def test_not_measured_here_names_the_platform():
     assert "nothing yet" in DISPATCH.not_measured_here()
 
 
-@pytest.mark.parametrize("op,name,call", [
-    ("attention", "flash4", lambda b: kernels.attention(*(jnp.ones((1, 8, 2, 16), jnp.bfloat16),) * 3, backend=b)),
-    ("attention", "pallas", lambda b: kernels.attention(*(jnp.ones((1, 8, 2, 16)),) * 3, backend=b)),
-    ("rms_norm", "quack", lambda b: kernels.rms_norm(jnp.ones((2, 8)), jnp.ones(8), backend=b)),
-    ("cross_entropy", "quack", lambda b: kernels.cross_entropy(jnp.ones((1, 4, 8)), jnp.ones((8, 16)),
-                                                               jnp.zeros((1, 4), jnp.int32), jnp.ones((1, 4)), backend=b)),
-    ("short_conv", "triton", lambda b: kernels.short_conv(jnp.ones((1, 4, 8)), jnp.ones((4, 8)), backend=b)),
-])
+@pytest.mark.parametrize(
+    "op,name,call",
+    [
+        ("attention", "flash4", lambda b: kernels.attention(*(jnp.ones((1, 8, 2, 16), jnp.bfloat16),) * 3, backend=b)),
+        ("attention", "pallas", lambda b: kernels.attention(*(jnp.ones((1, 8, 2, 16)),) * 3, backend=b)),
+        ("rms_norm", "quack", lambda b: kernels.rms_norm(jnp.ones((2, 8)), jnp.ones(8), backend=b)),
+        (
+            "cross_entropy",
+            "quack",
+            lambda b: kernels.cross_entropy(
+                jnp.ones((1, 4, 8)), jnp.ones((8, 16)), jnp.zeros((1, 4), jnp.int32), jnp.ones((1, 4)), backend=b
+            ),
+        ),
+        ("short_conv", "triton", lambda b: kernels.short_conv(jnp.ones((1, 4, 8)), jnp.ones((4, 8)), backend=b)),
+    ],
+)
 def test_named_gpu_backend_on_cpu_says_why(op, name, call, monkeypatch):
     monkeypatch.delenv("STENCIL_KERNELS", raising=False)
     with pytest.raises(kernels.KernelError, match=f"{op} backend '{name}' cannot run this call: .*NVIDIA GPU"):
@@ -235,8 +252,14 @@ def test_kernel_backends_refuse_what_they_cannot_express(monkeypatch):
     with pytest.raises(kernels.AttentionError, match="flash4.*head_dim"):
         kernels.attention(*(jnp.ones((1, 8, 2, 256), jnp.bfloat16),) * 3, backend="flash4")
     with pytest.raises(kernels.AttentionError, match="pallas.*can leave a query no key"):
-        kernels.attention(q, jnp.ones((1, 12, 2, 16), jnp.bfloat16), jnp.ones((1, 12, 2, 16), jnp.bfloat16),
-                          causal=False, window=2, backend="pallas")
+        kernels.attention(
+            q,
+            jnp.ones((1, 12, 2, 16), jnp.bfloat16),
+            jnp.ones((1, 12, 2, 16), jnp.bfloat16),
+            causal=False,
+            window=2,
+            backend="pallas",
+        )
     assert not ran
     # auto passes over a backend that refuses (flash4: segment ids) and takes the next one that can
     kernels.attention(q, q, q, segment_ids=seg)
@@ -248,9 +271,13 @@ def test_kernel_backends_refuse_what_they_cannot_express(monkeypatch):
     with jax.set_mesh(m):
         put = lambda x, *s: jax.device_put(x, NamedSharding(m, P(*s)))  # noqa: E731
         with pytest.raises(kernels.CrossEntropyError, match="whole vocabulary rows"):
-            kernels.cross_entropy(put(jnp.ones((4, 4, 8)), "data"), put(jnp.ones((8, 16)), None, "model"),
-                                  put(jnp.zeros((4, 4), jnp.int32), "data"), put(jnp.ones((4, 4)), "data"),
-                                  backend="quack")
+            kernels.cross_entropy(
+                put(jnp.ones((4, 4, 8)), "data"),
+                put(jnp.ones((8, 16)), None, "model"),
+                put(jnp.zeros((4, 4), jnp.int32), "data"),
+                put(jnp.ones((4, 4)), "data"),
+                backend="quack",
+            )
         with pytest.raises(kernels.NormError, match="whole rows"):
             kernels.rms_norm(put(jnp.ones((4, 8)), "data", "model"), jnp.ones(8), backend="quack")
         with pytest.raises(kernels.ConvError, match="whole rows in time"):
@@ -337,16 +364,18 @@ def test_blocked_attention_runs_per_device_under_a_mesh():
     seg = jnp.asarray(np.sort(rng.integers(0, 2, (B, T)), axis=1), jnp.int32)
 
     def loss(backend):
-        return lambda q, k, v, s: jnp.sum(kernels.attention(q, k, v, segment_ids=s, window=12, softcap=3.0,
-                                                            backend=backend) ** 2)
+        return lambda q, k, v, s: jnp.sum(
+            kernels.attention(q, k, v, segment_ids=s, window=12, softcap=3.0, backend=backend) ** 2
+        )
 
     want = jax.jit(jax.value_and_grad(loss("reference"), (0, 1, 2)))(q, k, v, seg)
     m = mesh42()
     with jax.set_mesh(m):
         heads = NamedSharding(m, P("data", None, "model", None))
         args = [jax.device_put(x, heads) for x in (q, k, v)] + [jax.device_put(seg, NamedSharding(m, P("data", None)))]
-        out = jax.jit(lambda q, k, v, s: kernels.attention(q, k, v, segment_ids=s, window=12, softcap=3.0,
-                                                           backend="blocked"))(*args)
+        out = jax.jit(
+            lambda q, k, v, s: kernels.attention(q, k, v, segment_ids=s, window=12, softcap=3.0, backend="blocked")
+        )(*args)
         got = jax.jit(jax.value_and_grad(loss("blocked"), (0, 1, 2)))(*args)
     assert out.sharding.spec == P("data", None, "model", None), out.sharding.spec
     close(got[0], want[0], 1e-5, "loss")
@@ -366,8 +395,8 @@ def test_blocked_attention_refuses_what_it_cannot_express():
 
 PALLAS_CASES = [  # B, T, H, Hkv, D, causal, window, segments, softcap
     (2, 40, 4, 2, 16, True, None, False, 0.0),  # T not a multiple of the block; GQA
-    (1, 64, 2, 2, 32, True, 10, True, 0.0),     # window + packed documents
-    (1, 48, 4, 1, 24, True, None, True, 5.0),   # MQA, head_dim padded to 32, soft-capping
+    (1, 64, 2, 2, 32, True, 10, True, 0.0),  # window + packed documents
+    (1, 48, 4, 1, 24, True, None, True, 5.0),  # MQA, head_dim padded to 32, soft-capping
     (2, 32, 2, 2, 16, False, None, True, 0.0),  # non-causal with documents
 ]
 
@@ -402,7 +431,8 @@ def test_pallas_attention_runs_per_device_under_a_mesh():
         heads = NamedSharding(m, P("data", None, "model", None))
         args = [jax.device_put(x, heads) for x in (q, k, v)]
         got = jax.jit(lambda q, k, v, s: A._pallas(q, k, v, segment_ids=s, window=8, interpret=True))(
-            *args, jax.device_put(seg, NamedSharding(m, P("data", None))))
+            *args, jax.device_put(seg, NamedSharding(m, P("data", None)))
+        )
     close(got, want, 1e-5, "sharded pallas attention")
 
 
@@ -410,17 +440,25 @@ def test_pallas_attention_lowers_for_cuda():
     x = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, 256, 2, 64), jnp.bfloat16)
     seg = jax.ShapeDtypeStruct((2, 256), jnp.int32)
-    f = jax.grad(lambda q, k, v, s: jnp.sum(PALLAS.attention(q, k, v, segment_ids=s, window=64, softcap=30.0)
-                                            .astype(jnp.float32)), (0, 1, 2))
+    f = jax.grad(
+        lambda q, k, v, s: jnp.sum(
+            PALLAS.attention(q, k, v, segment_ids=s, window=64, softcap=30.0).astype(jnp.float32)
+        ),
+        (0, 1, 2),
+    )
     text = jax.jit(f).trace(x, kv, kv, seg).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 3, "expected the forward, dQ and dK/dV Triton kernels"
 
 
 # ---------------------------------------------------------------- torch glue with stand-ins
 
+
 @pytest.fixture
 def torch():
-    return pytest.importorskip("torch", reason="torch is not installed: pip install torch==2.13.0 (a CPU build), then -e '.[kernels]' (README, 'Set up and run')")
+    return pytest.importorskip(
+        "torch",
+        reason="torch is not installed: pip install torch==2.13.0 (a CPU build), then -e '.[kernels]' (README, 'Set up and run')",
+    )
 
 
 def _torch_attention(torch, q, k, v, scale, causal, softcap, window_left):
@@ -456,8 +494,10 @@ def test_flash4_glue_with_a_torch_stand_in(torch, monkeypatch):
     rng = np.random.default_rng(0)
     q, k, v, ct = rand(rng, 2, 24, 4, 16), rand(rng, 2, 24, 2, 16), rand(rng, 2, 24, 2, 16), rand(rng, 2, 24, 4, 16)
     for kw in (dict(causal=True), dict(causal=True, window=5, softcap=3.0)):
+
         def loss(fn):
             return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v) * ct), (0, 1, 2)))
+
         got = loss(lambda q, k, v: A._flash4(q, k, v, **kw))(q, k, v)
         want = loss(lambda q, k, v: A.reference(q, k, v, **kw))(q, k, v)
         close(got[0], want[0], 1e-5, f"{kw} loss")
@@ -565,15 +605,20 @@ def test_triton_conv_kernels_match_reference_in_the_interpreter(torch):
 
 # ---------------------------------------------------------------- the `kernels` extra
 
-@pytest.mark.parametrize("module", ["torch", "tvm_ffi", "cutlass", "flash_attn.cute", "quack.rmsnorm",
-                                    "quack.cross_entropy", "triton", "jax_triton"])
+
+@pytest.mark.parametrize(
+    "module",
+    ["torch", "tvm_ffi", "cutlass", "flash_attn.cute", "quack.rmsnorm", "quack.cross_entropy", "triton", "jax_triton"],
+)
 def test_kernels_extra_imports_on_cpu(module):
     """Each optional package imports in a CPU environment, or the test says why it cannot here."""
     try:
         importlib.import_module(module.split(".")[0])
     except ModuleNotFoundError:
-        pytest.skip(f"{module}: the `kernels` extra is not installed here (pip install torch==<cpu build>; "
-                    "pip install -e '.[kernels]')")
+        pytest.skip(
+            f"{module}: the `kernels` extra is not installed here (pip install torch==<cpu build>; "
+            "pip install -e '.[kernels]')"
+        )
     except ImportError as e:
         if "GPU" in str(e) or "CUDA" in str(e) or "cuda" in str(e):
             pytest.skip(f"{module} cannot import without a GPU: {str(e).splitlines()[0]}")
@@ -582,6 +627,7 @@ def test_kernels_extra_imports_on_cpu(module):
 
 
 # ---------------------------------------------------------------- the self-check
+
 
 def test_selfcheck_reports_every_backend_and_flags_a_wrong_one(monkeypatch):
     import io
@@ -606,12 +652,19 @@ def test_selfcheck_takes_an_attention_shape(capsys):
     from shared.kernels import selfcheck
 
     cases = [c for c in selfcheck._cases(True, False, (2, 24, 4, 2, 8), 6) if c[0] == "attention"]
-    assert [c[1] for c in cases] == ["causal B2 T24 H4/2 D8", "window 6 B2 T24 H4/2 D8",
-                                     "causal + documents B2 T24 H4/2 D8", "causal + softcap 30 B2 T24 H4/2 D8"]
+    assert [c[1] for c in cases] == [
+        "causal B2 T24 H4/2 D8",
+        "window 6 B2 T24 H4/2 D8",
+        "causal + documents B2 T24 H4/2 D8",
+        "causal + softcap 30 B2 T24 H4/2 D8",
+    ]
     assert [x.shape for x in cases[0][4]] == [(2, 24, 4, 8), (2, 24, 2, 8), (2, 24, 2, 8)]
     assert {"blocked", "reference"} <= set(cases[0][2])
-    for bad, msg in ((["--shape", "1,2,3"], "five positive integers"), (["--shape", "1,8,3,2,8"], "not a multiple"),
-                     (["--window", "0"], "--window must be >= 1")):
+    for bad, msg in (
+        (["--shape", "1,2,3"], "five positive integers"),
+        (["--shape", "1,8,3,2,8"], "not a multiple"),
+        (["--window", "0"], "--window must be >= 1"),
+    ):
         with pytest.raises(SystemExit):
             selfcheck.main(bad)
         assert msg in capsys.readouterr().err
@@ -624,8 +677,12 @@ def test_selfcheck_reports_a_refusal_and_does_not_count_it(monkeypatch):
 
     from shared.kernels import selfcheck
 
-    refuser = NORM.Backend("refuser", lambda: None, lambda c: "this backend takes no rows of 256",
-                           lambda x, w, eps: pytest.fail("a refused call ran"))
+    refuser = NORM.Backend(
+        "refuser",
+        lambda: None,
+        lambda c: "this backend takes no rows of 256",
+        lambda x, w, eps: pytest.fail("a refused call ran"),
+    )
     monkeypatch.setitem(NORM.BACKENDS, "refuser", refuser)
     out = io.StringIO()
     assert selfcheck.run(quick=True, repeats=1, ops=("rms_norm",), out=out) == 0, out.getvalue()

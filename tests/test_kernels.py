@@ -20,9 +20,13 @@ def loop_attention(q, k, v, seg, causal, window):
     for b in range(B):
         for h in range(H):
             for t in range(T):
-                keys = [s for s in range(k.shape[1])
-                        if (not causal or s <= t) and (window is None or t - s < window)
-                        and (seg is None or seg[b, s] == seg[b, t])]
+                keys = [
+                    s
+                    for s in range(k.shape[1])
+                    if (not causal or s <= t)
+                    and (window is None or t - s < window)
+                    and (seg is None or seg[b, s] == seg[b, t])
+                ]
                 logits = np.array([q[b, t, h] @ k[b, s, h // G] for s in keys]) / np.sqrt(D)
                 p = np.exp(logits - logits.max())
                 p /= p.sum()
@@ -30,15 +34,24 @@ def loop_attention(q, k, v, seg, causal, window):
     return out
 
 
-@pytest.mark.parametrize("causal,window,segments", [(True, None, False), (True, 3, False), (True, None, True),
-                                                    (True, 4, True), (False, None, True)])
+@pytest.mark.parametrize(
+    "causal,window,segments",
+    [(True, None, False), (True, 3, False), (True, None, True), (True, 4, True), (False, None, True)],
+)
 def test_reference_matches_loop(causal, window, segments):
     rng = np.random.default_rng(0)
     B, T, H, Hkv, D = 2, 9, 4, 2, 8
     q, k, v = (rng.standard_normal(s).astype(np.float32) for s in [(B, T, H, D), (B, T, Hkv, D), (B, T, Hkv, D)])
     seg = np.array([[1] * 4 + [2] * 5, [1] * 9], np.int32) if segments else None
-    got = kernels.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal=causal, window=window,
-                            segment_ids=None if seg is None else jnp.asarray(seg), backend="reference")
+    got = kernels.attention(
+        jnp.asarray(q),
+        jnp.asarray(k),
+        jnp.asarray(v),
+        causal=causal,
+        window=window,
+        segment_ids=None if seg is None else jnp.asarray(seg),
+        backend="reference",
+    )
     np.testing.assert_allclose(np.asarray(got), loop_attention(q, k, v, seg, causal, window), rtol=1e-5, atol=1e-5)
 
 
@@ -48,8 +61,13 @@ def test_auto_is_reference_on_cpu_and_named_backends_never_fall_back(monkeypatch
     assert "reference" in here and not {"cudnn", "flash4", "pallas"} & set(here), here
     q = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
     calls = []
-    monkeypatch.setitem(attn_mod.BACKENDS, "reference", attn_mod.Backend(
-        "reference", lambda: None, lambda c: None, lambda *a, **kw: calls.append(1) or attn_mod.reference(*a, **kw)))
+    monkeypatch.setitem(
+        attn_mod.BACKENDS,
+        "reference",
+        attn_mod.Backend(
+            "reference", lambda: None, lambda c: None, lambda *a, **kw: calls.append(1) or attn_mod.reference(*a, **kw)
+        ),
+    )
     kernels.attention(q, q, q)
     assert calls == [1], "auto did not pick the reference on CPU"
     with pytest.raises(kernels.AttentionError, match="needs an NVIDIA GPU"):
@@ -62,8 +80,9 @@ def test_backend_refuses_masks_it_cannot_express(monkeypatch):
     """Pretend cuDNN is present: a call it cannot express is refused by name, not run without the mask."""
     cud = attn_mod.BACKENDS["cudnn"]
     ran = []
-    monkeypatch.setitem(attn_mod.BACKENDS, "cudnn", attn_mod.Backend(
-        "cudnn", lambda: None, cud.refuses, lambda *a, **kw: ran.append(1)))
+    monkeypatch.setitem(
+        attn_mod.BACKENDS, "cudnn", attn_mod.Backend("cudnn", lambda: None, cud.refuses, lambda *a, **kw: ran.append(1))
+    )
     q16 = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
     with pytest.raises(kernels.AttentionError, match="sliding window only together with the causal mask"):
         kernels.attention(q16, q16, q16, causal=False, window=4, backend="cudnn")
@@ -107,7 +126,6 @@ def test_cross_entropy_matches_full_logits_and_gradients():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-
 @pytest.mark.parametrize("vocab", [None, "model"], ids=["whole-rows", "vocab-sharded"])
 @pytest.mark.parametrize("chunks", [1, 4])
 def test_cross_entropy_on_a_mesh(vocab, chunks):
@@ -144,9 +162,11 @@ def test_cross_entropy_on_a_mesh(vocab, chunks):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("mesh_shape,vocab,gathers", [((4, 2), None, True), ((4, 2), "model", False),
-                                                     ((8, 1), "model", True)],
-                         ids=["whole-rows", "vocab-split", "vocab-over-model-of-1"])
+@pytest.mark.parametrize(
+    "mesh_shape,vocab,gathers",
+    [((4, 2), None, True), ((4, 2), "model", False), ((8, 1), "model", True)],
+    ids=["whole-rows", "vocab-split", "vocab-over-model-of-1"],
+)
 def test_cross_entropy_gathers_the_target_logit_unless_the_vocabulary_is_split(mesh_shape, vocab, gathers):
     """The cheap formulation (a gather of the target logit) wherever each device holds whole
     vocabulary rows, including a vocabulary sharded over a `model` axis of size 1, as on one
@@ -185,6 +205,7 @@ def test_cross_entropy_one_chunk_does_not_recompute_the_logits():
     text = jax.jit(jax.value_and_grad(loss, (0, 1))).lower(h, w).as_text()
     assert text.count("dot_general") == 3, text.count("dot_general")
 
+
 def test_cross_entropy_holds_one_chunk_of_logits():
     """The compiled program's temporaries stay near one chunk, far below the full logits."""
     B, T, D, V = 4, 256, 32, 8192
@@ -207,11 +228,11 @@ def test_split_tells_an_axis_divided_between_devices_from_one_over_a_mesh_axis_o
     x = np.zeros((8, 4), np.float32)
     assert not split(jnp.asarray(x), 0)  # no mesh
     for shape, want in [((4, 2), [True, True]), ((8, 1), [True, False]), ((1, 1), [False, False])]:
-        mesh = jax.make_mesh(shape, ("data", "model"), axis_types=(AxisType.Explicit,) * 2,
-                             devices=jax.devices()[:shape[0] * shape[1]])
+        mesh = jax.make_mesh(
+            shape, ("data", "model"), axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[: shape[0] * shape[1]]
+        )
         with jax.set_mesh(mesh):
             xs = jax.device_put(x, NamedSharding(mesh, P("data", "model")))
             assert [split(xs, 0), split(xs, -1)] == want, shape
             both = jax.device_put(x, NamedSharding(mesh, P(("data", "model"), None)))
             assert split(both, 0) == (shape != (1, 1)) and not split(both, 1), shape
-

@@ -42,9 +42,24 @@ def test_two_processes_then_resume_on_one(tiny_dense, tmp_path, s3):
     assert sorted(straight["losses"]) == [1, 2, 3, 4]
     mp_dir = tmp_path / "mp"
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, LOCAL, "--nproc", "2", "--devices", "4", "--variant", "dense", "--",
-                        *tiny_dense.flags(mp_dir, **LAUNCH, stop_at=2, checkpoint_dir=url)],
-                       env=sub_env(), capture_output=True, text=True, timeout=400)
+    r = subprocess.run(
+        [
+            sys.executable,
+            LOCAL,
+            "--nproc",
+            "2",
+            "--devices",
+            "4",
+            "--variant",
+            "dense",
+            "--",
+            *tiny_dense.flags(mp_dir, **LAUNCH, stop_at=2, checkpoint_dir=url),
+        ],
+        env=sub_env(),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     t_mp = time.perf_counter() - t0
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert "[p1] stencil: distributed (explicit): process 1 of 2, 4 local / 8 global devices" in r.stdout
@@ -58,8 +73,10 @@ def test_two_processes_then_resume_on_one(tiny_dense, tmp_path, s3):
     got, want = losses(mp_dir), losses(tmp_path / "single")
     assert sorted(got) == sorted(want) == [1, 2, 3, 4]
     np.testing.assert_allclose([got[s] for s in range(1, 5)], [want[s] for s in range(1, 5)], rtol=1e-5)
-    print(f"\nwall time: 2 processes x 4 devices, 2 steps + save (subprocess, incl. start-up) {t_mp:.1f}s; "
-          f"single process x 8 devices, 4 steps (in-process, cold tokenizer cache) {t_single:.1f}s")
+    print(
+        f"\nwall time: 2 processes x 4 devices, 2 steps + save (subprocess, incl. start-up) {t_mp:.1f}s; "
+        f"single process x 8 devices, 4 steps (in-process, cold tokenizer cache) {t_single:.1f}s"
+    )
 
 
 def _children(pid):
@@ -69,9 +86,22 @@ def _children(pid):
 
 @pytest.mark.integration  # multi-process: a real 2-process run on loopback (jax.distributed)
 def test_killed_process_stops_the_run(tiny_dense, tmp_path):
-    p = subprocess.Popen([sys.executable, LOCAL, "--nproc", "2", "--devices", "4", "--",
-                          *tiny_dense.flags(tmp_path / "run", **LAUNCH | {"steps": 200})],
-                         env=sub_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            LOCAL,
+            "--nproc",
+            "2",
+            "--devices",
+            "4",
+            "--",
+            *tiny_dense.flags(tmp_path / "run", **LAUNCH | {"steps": 200}),
+        ],
+        env=sub_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         out = []
         for line in p.stdout:
@@ -93,10 +123,19 @@ def _pair(extra0, extra1, args, port, timeout=120):
     """Processes 0 and 1 started by hand (no launcher), each with its own env additions and args."""
     procs = []
     for i, (extra, a) in enumerate(((extra0, args[0]), (extra1, args[1]))):
-        env = sub_env(STENCIL_COORDINATOR=f"127.0.0.1:{port}", STENCIL_NUM_PROCESSES="2", STENCIL_PROCESS_ID=str(i),
-                      STENCIL_HEARTBEAT_TIMEOUT="10", XLA_FLAGS="--xla_force_host_platform_device_count=4", **extra)
-        procs.append(subprocess.Popen([sys.executable, SCRIPT, *a], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        env = sub_env(
+            STENCIL_COORDINATOR=f"127.0.0.1:{port}",
+            STENCIL_NUM_PROCESSES="2",
+            STENCIL_PROCESS_ID=str(i),
+            STENCIL_HEARTBEAT_TIMEOUT="10",
+            XLA_FLAGS="--xla_force_host_platform_device_count=4",
+            **extra,
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, SCRIPT, *a], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
     return finish(procs, timeout)
 
 
@@ -127,10 +166,19 @@ def test_mismatched_configs_are_named(tiny_dense, tmp_path):
 
 
 def test_unreachable_coordinator_times_out():
-    env = sub_env(STENCIL_COORDINATOR=f"127.0.0.1:{_port()}", STENCIL_NUM_PROCESSES="2", STENCIL_PROCESS_ID="1",
-                  STENCIL_INIT_TIMEOUT="3")
-    r = subprocess.run([sys.executable, SCRIPT, "--steps", "2", "--warmup_steps", "0"], env=env,
-                       capture_output=True, text=True, timeout=120)
+    env = sub_env(
+        STENCIL_COORDINATOR=f"127.0.0.1:{_port()}",
+        STENCIL_NUM_PROCESSES="2",
+        STENCIL_PROCESS_ID="1",
+        STENCIL_INIT_TIMEOUT="3",
+    )
+    r = subprocess.run(
+        [sys.executable, SCRIPT, "--steps", "2", "--warmup_steps", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1
     assert "process 1 (explicit mode) could not join the run at 127.0.0.1:" in r.stderr, r.stderr[-2000:]
     assert "within 3s (STENCIL_INIT_TIMEOUT)" in r.stderr
@@ -146,15 +194,20 @@ def test_detect_modes(monkeypatch):
     monkeypatch.setenv("STENCIL_COORDINATOR", "pod-0.svc:1234")
     monkeypatch.setenv("STENCIL_NUM_PROCESSES", "4")
     monkeypatch.setenv("JOB_COMPLETION_INDEX", "3")
-    assert distributed.detect() == ("explicit", dict(coordinator_address="pod-0.svc:1234", num_processes=4,
-                                                     process_id=3, cluster_detection_method="deactivate"))
+    assert distributed.detect() == (
+        "explicit",
+        dict(
+            coordinator_address="pod-0.svc:1234", num_processes=4, process_id=3, cluster_detection_method="deactivate"
+        ),
+    )
     monkeypatch.setenv("STENCIL_PROCESS_ID", "4")
     with pytest.raises(distributed.DistributedError, match="not in"):
         distributed.detect()
     for k in ("STENCIL_COORDINATOR", "STENCIL_NUM_PROCESSES", "STENCIL_PROCESS_ID"):
         monkeypatch.delenv(k)
-    for k, v in dict(SLURM_JOB_ID="7", SLURM_STEP_NODELIST="n[1-2]", SLURM_NTASKS="2", SLURM_PROCID="1",
-                     SLURM_LOCALID="0").items():
+    for k, v in dict(
+        SLURM_JOB_ID="7", SLURM_STEP_NODELIST="n[1-2]", SLURM_NTASKS="2", SLURM_PROCID="1", SLURM_LOCALID="0"
+    ).items():
         monkeypatch.setenv(k, v)
     assert distributed.detect() == ("slurm", {"cluster_detection_method": "slurm"})
     monkeypatch.setenv("SLURM_NTASKS", "1")
@@ -177,11 +230,19 @@ def _run(mod, argv, capsys):
 
 
 def test_slurm_script(capsys):
-    out = _run(slurm, ["--nodes", "4", "--gpus-per-node", "8", "--partition", "gpu", "--variant", "dense",
-                       "--preset", "125m", *OVER], capsys)
+    out = _run(
+        slurm,
+        ["--nodes", "4", "--gpus-per-node", "8", "--partition", "gpu", "--variant", "dense", "--preset", "125m", *OVER],
+        capsys,
+    )
     assert out.startswith("#!/bin/bash\n")
-    for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
-                 "#SBATCH --partition=gpu", "export JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7"):
+    for line in (
+        "#SBATCH --nodes=4",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --partition=gpu",
+        "export JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7",
+    ):
         assert line in out.splitlines()
     for line in ("#SBATCH --requeue", "#SBATCH --signal=USR1@180", "#SBATCH --open-mode=append"):
         assert line in out.splitlines()
@@ -199,24 +260,38 @@ def test_slurm_script(capsys):
             slurm.main(["--", *flag])
 
 
-
 def test_slurm_script_tasks_devices_and_time(capsys):
     """Several tasks per node (CPU processes with their own XLA devices, or a task per GPU), and the
     options checked against each other before any script is written."""
-    lines = _run(slurm, ["--nodes", "1", "--tasks-per-node", "2", "--gpus-per-node", "0", "--cpu-devices", "4",
-                         "--time", "30", *OVER], capsys).splitlines()
+    lines = _run(
+        slurm,
+        ["--nodes", "1", "--tasks-per-node", "2", "--gpus-per-node", "0", "--cpu-devices", "4", "--time", "30", *OVER],
+        capsys,
+    ).splitlines()
     assert "#SBATCH --ntasks-per-node=2" in lines and "#SBATCH --time=30" in lines
     assert 'export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=4"' in lines
     assert "export JAX_PLATFORMS=cpu" in lines and not any("GPU" in ln or "gpus" in ln for ln in lines)
     lines = _run(slurm, ["--tasks-per-node", "8", "--gpus-per-node", "8", *OVER], capsys).splitlines()
     assert "#SBATCH --ntasks-per-node=8" in lines  # a task per GPU: JAX maps SLURM_LOCALID to its GPU
     assert not any("JAX_LOCAL_DEVICE_IDS" in ln or "XLA_FLAGS" in ln for ln in lines)
-    assert [slurm.time_limit_s(t) for t in ("30", "30:15", "2:00:00", "1-0", "1-2:30", "1-0:0:5", "UNLIMITED")] == \
-        [1800, 1815, 7200, 86400, 95400, 86405, 0]
-    for bad, why in ((["--tasks-per-node", "3"], "use 1 .* or 8"), (["--cpu-devices", "4"], "for CPU nodes"),
-                     (["--time", "2"], "not shorter than --time 2"), (["--time", "1:2:3:4"], "not in a format"),
-                     (["--time", "-5"], "not in a format"), (["--tasks-per-node", "0"], "must be >= 1"),
-                     (["--gpus-per-node", "0", "--cpu-devices", "-1"], "must be >= 0")):
+    assert [slurm.time_limit_s(t) for t in ("30", "30:15", "2:00:00", "1-0", "1-2:30", "1-0:0:5", "UNLIMITED")] == [
+        1800,
+        1815,
+        7200,
+        86400,
+        95400,
+        86405,
+        0,
+    ]
+    for bad, why in (
+        (["--tasks-per-node", "3"], "use 1 .* or 8"),
+        (["--cpu-devices", "4"], "for CPU nodes"),
+        (["--time", "2"], "not shorter than --time 2"),
+        (["--time", "1:2:3:4"], "not in a format"),
+        (["--time", "-5"], "not in a format"),
+        (["--tasks-per-node", "0"], "must be >= 1"),
+        (["--gpus-per-node", "0", "--cpu-devices", "-1"], "must be >= 0"),
+    ):
         with pytest.raises(SystemExit):
             slurm.main(bad)
         assert re.search(why, capsys.readouterr().err), bad
@@ -250,8 +325,13 @@ def test_slurm_script_requeues_on_75_and_70_only(tmp_path, capsys):
     def run(srun_rc, restarts=None, scontrol_rc=0):
         for name in ("srun", "scontrol"):
             (tmp_path / (name + ".calls")).unlink(missing_ok=True)
-        env = dict(os.environ, PATH=path + os.pathsep + os.environ["PATH"], SLURM_JOB_ID="42", SRUN_RC=str(srun_rc),
-                   SCONTROL_RC=str(scontrol_rc))
+        env = dict(
+            os.environ,
+            PATH=path + os.pathsep + os.environ["PATH"],
+            SLURM_JOB_ID="42",
+            SRUN_RC=str(srun_rc),
+            SCONTROL_RC=str(scontrol_rc),
+        )
         env.pop("SLURM_RESTART_COUNT", None)
         if restarts is not None:
             env["SLURM_RESTART_COUNT"] = str(restarts)
@@ -305,15 +385,24 @@ def test_slurm_script_resumes_from_a_checkpoint_dir_on_s3(tmp_path, s3, capsys):
     list stops the job instead of starting the run over."""
     url = s3.bucket(f"stencil-launch-{os.getpid()}") + "/ck"
     job = tmp_path / "job.sbatch"
-    assert slurm.main(["--workdir", ROOT, "-o", str(job), "--", "--run_dir", str(tmp_path / "run"),
-                       "--checkpoint_dir", url]) == 0
+    assert (
+        slurm.main(
+            ["--workdir", ROOT, "-o", str(job), "--", "--run_dir", str(tmp_path / "run"), "--checkpoint_dir", url]
+        )
+        == 0
+    )
     capsys.readouterr()
     path = _stubs(tmp_path, ["srun", "scontrol"])
 
     def run(**extra):
         (tmp_path / "srun.calls").unlink(missing_ok=True)
-        env = dict(os.environ, PATH=os.pathsep.join([path, os.path.dirname(sys.executable), os.environ["PATH"]]),
-                   SLURM_JOB_ID="7", SRUN_RC="0", **extra)
+        env = dict(
+            os.environ,
+            PATH=os.pathsep.join([path, os.path.dirname(sys.executable), os.environ["PATH"]]),
+            SLURM_JOB_ID="7",
+            SRUN_RC="0",
+            **extra,
+        )
         r = subprocess.run(["bash", str(job)], env=env, capture_output=True, text=True, timeout=120)
         return r, _calls(tmp_path, "srun")
 
@@ -330,9 +419,29 @@ def test_slurm_script_resumes_from_a_checkpoint_dir_on_s3(tmp_path, s3, capsys):
 
 @pytest.mark.parametrize("kind", ["jobset", "job"])
 def test_k8s_manifest(kind, capsys):
-    docs = list(yaml.safe_load_all(_run(k8s, ["--kind", kind, "--nodes", "4", "--image", "reg/stencil:1",
-                                              "--name", "run1", "--variant", "dense", "--preset", "125m", *OVER],
-                                        capsys)))
+    docs = list(
+        yaml.safe_load_all(
+            _run(
+                k8s,
+                [
+                    "--kind",
+                    kind,
+                    "--nodes",
+                    "4",
+                    "--image",
+                    "reg/stencil:1",
+                    "--name",
+                    "run1",
+                    "--variant",
+                    "dense",
+                    "--preset",
+                    "125m",
+                    *OVER,
+                ],
+                capsys,
+            )
+        )
+    )
     if kind == "jobset":
         [js] = docs
         assert js["kind"] == "JobSet" and js["spec"]["replicatedJobs"][0]["replicas"] == 1
@@ -355,7 +464,8 @@ def test_k8s_manifest(kind, capsys):
         {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
         {"action": "Ignore", "onExitCodes": {"containerName": "train", "operator": "In", "values": [75]}},
         {"action": "Count", "onExitCodes": {"containerName": "train", "operator": "In", "values": [70]}},
-        {"action": "FailJob", "onExitCodes": {"containerName": "train", "operator": "NotIn", "values": [70, 75]}}]
+        {"action": "FailJob", "onExitCodes": {"containerName": "train", "operator": "NotIn", "values": [70, 75]}},
+    ]
     assert job["backoffLimit"] == 3 * 4  # --max-hung-restarts (3) per pod
     env = {e["name"]: e["value"] for e in c["env"]}
     assert env["STENCIL_COORDINATOR"] == coordinator and env["STENCIL_NUM_PROCESSES"] == "4"
@@ -365,9 +475,31 @@ def test_k8s_manifest(kind, capsys):
 def test_k8s_command_resumes_from_a_checkpoint(tmp_path, capsys):
     """The container's sh -c line run by sh, python stubbed: --resume true exactly when the run dir
     holds a finished checkpoint, and python replaces sh (exec), so it is what gets SIGTERM."""
-    docs = list(yaml.safe_load_all(_run(k8s, ["--kind", "job", "--image", "i", "--grace-period", "900",
-                                              "--max-hung-restarts", "1", "--nodes", "2", "--",
-                                              "--steps", "10", "--run_dir", "/data/r x"], capsys)))
+    docs = list(
+        yaml.safe_load_all(
+            _run(
+                k8s,
+                [
+                    "--kind",
+                    "job",
+                    "--image",
+                    "i",
+                    "--grace-period",
+                    "900",
+                    "--max-hung-restarts",
+                    "1",
+                    "--nodes",
+                    "2",
+                    "--",
+                    "--steps",
+                    "10",
+                    "--run_dir",
+                    "/data/r x",
+                ],
+                capsys,
+            )
+        )
+    )
     job = docs[1]["spec"]
     assert job["template"]["spec"]["terminationGracePeriodSeconds"] == 900 and job["backoffLimit"] == 2
     [c] = job["template"]["spec"]["containers"]
@@ -382,14 +514,19 @@ def test_k8s_command_resumes_from_a_checkpoint(tmp_path, capsys):
 
 
 def test_skypilot_task(capsys):
-    t = yaml.safe_load(_run(skypilot, ["--nodes", "3", "--accelerators", "H100:8", "--variant", "dense",
-                                       "--preset", "125m", "--use-spot", *OVER], capsys))
+    t = yaml.safe_load(
+        _run(
+            skypilot,
+            ["--nodes", "3", "--accelerators", "H100:8", "--variant", "dense", "--preset", "125m", "--use-spot", *OVER],
+            capsys,
+        )
+    )
     assert t["num_nodes"] == 3 and t["resources"]["accelerators"] == "H100:8" and t["resources"]["use_spot"]
     assert t["resources"]["job_recovery"] == {"max_restarts_on_errors": 3, "recover_on_exit_codes": [75]}
     assert t["workdir"] and "pip install" in t["setup"]
     lines = t["run"].splitlines()
     assert "exec python " + " ".join(TRAIN) + ' --run_dir runs/stencil-dense "$@"' in lines
-    assert any("STENCIL_PROCESS_ID=\"$SKYPILOT_NODE_RANK\"" in ln for ln in lines)
+    assert any('STENCIL_PROCESS_ID="$SKYPILOT_NODE_RANK"' in ln for ln in lines)
     for bad in (["--max-restarts-on-errors", "-1"], ["--", "--resume", "true"]):
         with pytest.raises(SystemExit):
             skypilot.main(bad)
@@ -425,12 +562,36 @@ def _resumes(script: str, run_dir, tmp_path, shell: str = "/bin/sh", **env) -> N
 
 def test_skypilot_and_tpu_lines_resume_from_a_checkpoint(tmp_path, capsys):
     t = yaml.safe_load(_run(skypilot, ["--", "--steps", "10", "--run_dir", str(tmp_path / "sky")], capsys))
-    _resumes(t["run"], tmp_path / "sky", tmp_path, shell="bash", SKYPILOT_NODE_IPS="10.0.0.1\n10.0.0.2",
-             SKYPILOT_NUM_NODES="2", SKYPILOT_NODE_RANK="1")
+    _resumes(
+        t["run"],
+        tmp_path / "sky",
+        tmp_path,
+        shell="bash",
+        SKYPILOT_NODE_IPS="10.0.0.1\n10.0.0.2",
+        SKYPILOT_NUM_NODES="2",
+        SKYPILOT_NODE_RANK="1",
+    )
     import shlex
 
-    argv = shlex.split(_run(tpu_vm, ["--name", "v5p", "--zone", "z", "--workdir", str(tmp_path), "--",
-                                     "--steps", "10", "--run_dir", str(tmp_path / "tpu")], capsys))
+    argv = shlex.split(
+        _run(
+            tpu_vm,
+            [
+                "--name",
+                "v5p",
+                "--zone",
+                "z",
+                "--workdir",
+                str(tmp_path),
+                "--",
+                "--steps",
+                "10",
+                "--run_dir",
+                str(tmp_path / "tpu"),
+            ],
+            capsys,
+        )
+    )
     _resumes(argv[10], tmp_path / "tpu", tmp_path)
     with pytest.raises(SystemExit, match="adds --resume true itself"):
         tpu_vm.main(["--name", "v5p", "--zone", "z", "--", "--resume_from", "3"])
@@ -439,8 +600,9 @@ def test_skypilot_and_tpu_lines_resume_from_a_checkpoint(tmp_path, capsys):
 def test_tpu_vm_command(capsys):
     import shlex
 
-    out = _run(tpu_vm, ["--name", "v5p", "--zone", "us-east5-a", "--variant", "dense", "--preset", "125m", *OVER],
-               capsys)
+    out = _run(
+        tpu_vm, ["--name", "v5p", "--zone", "us-east5-a", "--variant", "dense", "--preset", "125m", *OVER], capsys
+    )
     argv = shlex.split(out)
     assert argv[:9] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "v5p", "--zone", "us-east5-a", "--worker=all"]
     assert argv[9] == "--command"
@@ -459,9 +621,24 @@ def test_sigterm_to_the_launcher_stops_every_process_at_one_step_and_resumes(tin
     """SIGTERM to launch/local.py reaches both processes; they agree on a step, save it and exit
     75, and so does the launcher; one process then resumes to the losses of an uninterrupted run."""
     run = tmp_path / "mp"
-    proc = subprocess.Popen([sys.executable, LOCAL, "--nproc", "2", "--devices", "4", "--variant", "dense", "--",
-                             *tiny_dense.flags(run, **LAUNCH | {"steps": 500, "save_every": 0})], env=sub_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            LOCAL,
+            "--nproc",
+            "2",
+            "--devices",
+            "4",
+            "--variant",
+            "dense",
+            "--",
+            *tiny_dense.flags(run, **LAUNCH | {"steps": 500, "save_every": 0}),
+        ],
+        env=sub_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     t = time.time()
     while not (os.path.exists(run / "metrics.jsonl") and max(losses(run), default=0) >= 3):
         assert proc.poll() is None and time.time() - t < 300, (proc.poll(), proc.stdout.read()[-4000:])
@@ -476,6 +653,8 @@ def test_sigterm_to_the_launcher_stops_every_process_at_one_step_and_resumes(tin
     end = step + 2  # the same 500-step schedule, stopped early
     resumed = train.main(tiny_dense.config(run, **LAUNCH | {"steps": 500, "save_every": 0}, stop_at=end, resume=True))
     assert sorted(resumed["losses"]) == [step + 1, end]
-    straight = train.main(tiny_dense.config(tmp_path / "single", **LAUNCH | {"steps": 500, "save_every": 0}, stop_at=end))
+    straight = train.main(
+        tiny_dense.config(tmp_path / "single", **LAUNCH | {"steps": 500, "save_every": 0}, stop_at=end)
+    )
     got, want = losses(run), straight["losses"]
     np.testing.assert_allclose([got[s] for s in range(1, end + 1)], [want[s] for s in range(1, end + 1)], rtol=1e-5)

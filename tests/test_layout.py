@@ -24,5 +24,11 @@ def test_the_run_harness_imports_no_evaluation_decoding_command_or_variant():
     own = g["shared.run"]
     assert len(own) <= RUN_IMPORTS, sorted(own)
     banned = {m for m in g if m.startswith("shared.evals")} | {
-        "shared.decode", "shared.generate", "shared.probes", "shared.lm_eval_model", "shared.trained", "shared.variant"}
+        "shared.decode",
+        "shared.generate",
+        "shared.probes",
+        "shared.lm_eval_model",
+        "shared.trained",
+        "shared.variant",
+    }
     assert not own & banned, sorted(own & banned)

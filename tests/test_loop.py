@@ -50,9 +50,22 @@ def tiny(train, corpus, run_dir, **over):
     with a small vocabulary, on the test corpus, logging every step."""
     own = dict(train.CONTRACT_TINY)
     model_over = {"vocab_size": 512, **own.pop("model", {})}
-    kw = dict(seq_len=32, batch_size=8, steps=4, warmup_steps=0, mesh_data=-1, mesh_model=2, wandb="disabled",
-              data=data.DataConfig(source=corpus, val_fraction=0.1), eval_every=2, eval_batches=1, log_every=1,
-              save_every=2, sample_tokens=0, run_dir=str(run_dir))
+    kw = dict(
+        seq_len=32,
+        batch_size=8,
+        steps=4,
+        warmup_steps=0,
+        mesh_data=-1,
+        mesh_model=2,
+        wandb="disabled",
+        data=data.DataConfig(source=corpus, val_fraction=0.1),
+        eval_every=2,
+        eval_batches=1,
+        log_every=1,
+        save_every=2,
+        sample_tokens=0,
+        run_dir=str(run_dir),
+    )
     kw.update(own)
     kw.update(over)
     return train.TrainConfig(model=dataclasses.replace(train.TrainConfig().model, **model_over), **kw)
@@ -69,13 +82,22 @@ def features(train, corpus, *, context=2, lm_eval=False) -> dict:
     devices (2; 1 = not split) beside `model` 2 (moe_hero: `expert` 2 from its CONTRACT_TINY), two
     micro-batches, a weight average, a mixture of two sources (evaluated per source), the mqar probe and a
     4-token sample every 2 steps; with `lm_eval`, two offline lm-eval tasks (generation, multiple choice)."""
-    over = dict(mesh_context=context, mesh_model=2, grad_accum=2, sample_every=2, sample_tokens=4,
-                optim=dataclasses.replace(train.TrainConfig().optim, ema=0.9),
-                probes=probes.ProbeConfig(sets="mqar", rows=8, mqar_pairs=2, mqar_gap=4),
-                data=data.DataConfig(source=mixture(corpus), val_fraction=0.2))
+    over = dict(
+        mesh_context=context,
+        mesh_model=2,
+        grad_accum=2,
+        sample_every=2,
+        sample_tokens=4,
+        optim=dataclasses.replace(train.TrainConfig().optim, ema=0.9),
+        probes=probes.ProbeConfig(sets="mqar", rows=8, mqar_pairs=2, mqar_gap=4),
+        data=data.DataConfig(source=mixture(corpus), val_fraction=0.2),
+    )
     if lm_eval:
-        over |= dict(lm_eval_tasks="stencil_gen,stencil_mc", lm_eval_limit=2,
-                     lm_eval_include=os.path.join(ROOT, "evals", "tasks"))
+        over |= dict(
+            lm_eval_tasks="stencil_gen,stencil_mc",
+            lm_eval_limit=2,
+            lm_eval_include=os.path.join(ROOT, "evals", "tasks"),
+        )
     return over
 
 
@@ -114,7 +136,9 @@ def test_the_loop_stops_resumes_and_refuses(variant, small_corpus, tmp_path, mon
     on = features(train, small_corpus, lm_eval=True)
     straight = train.main(tiny(train, small_corpus, tmp_path / "a", **on))
     check_straight(tmp_path / "a", straight, capsys.readouterr().out)
-    assert {"eval/lm_eval/stencil_gen/exact_match", "eval/lm_eval/stencil_mc/acc"} <= set(metric_rows(tmp_path / "a")[-1])
+    assert {"eval/lm_eval/stencil_gen/exact_match", "eval/lm_eval/stencil_mc/acc"} <= set(
+        metric_rows(tmp_path / "a")[-1]
+    )
 
     # a stop signal during step 2: saved at 2, Preempted; the resume equals the straight run bit for bit
     wrap_step(monkeypatch, train, lambda n, s, m: os.kill(os.getpid(), signal.SIGTERM) if n == 2 else None)
@@ -132,8 +156,9 @@ def test_the_loop_stops_resumes_and_refuses(variant, small_corpus, tmp_path, mon
     # refusals of a resume that would change the data or the optimizer, before anything runs (rows of 16 tokens
     # are not split: a window's halo would not fit in 8)
     with pytest.raises(run.TrainingError, match=r"data stream differs.*'seq_len': \(32, 16\)"):
-        train.main(tiny(train, small_corpus, tmp_path / "b", **{**on, "mesh_context": 1}, steps=6, seq_len=16,
-                        resume=True))
+        train.main(
+            tiny(train, small_corpus, tmp_path / "b", **{**on, "mesh_context": 1}, steps=6, seq_len=16, resume=True)
+        )
     with pytest.raises(run.TrainingError, match="resume with --optimizer adamw"):
         train.main(tiny(train, small_corpus, tmp_path / "b", **on, steps=6, resume=True, optimizer="muon"))
     other = tmp_path / "other"  # another corpus (tokenized with the run's own tokenizer)
@@ -141,16 +166,28 @@ def test_the_loop_stops_resumes_and_refuses(variant, small_corpus, tmp_path, mon
     for path in sorted(glob.glob(small_corpus))[:3]:
         (other / os.path.basename(path)).write_text(open(path).read())
     with pytest.raises(run.TrainingError, match=r"data stream differs.*'corpus'"):
-        train.main(tiny(train, small_corpus, tmp_path / "b", **{**on, "data": data.DataConfig(
-            source=str(other / "*.txt"), val_fraction=0.2)}, steps=6, resume=True))
+        train.main(
+            tiny(
+                train,
+                small_corpus,
+                tmp_path / "b",
+                **{**on, "data": data.DataConfig(source=str(other / "*.txt"), val_fraction=0.2)},
+                steps=6,
+                resume=True,
+            )
+        )
 
     # a non-finite loss at step 3: stopped without saving, the last good checkpoint named and kept
     def poison(n, state, m):
         if n == 3:
             nan = jax.tree.map(lambda x: x * jnp.nan if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
             return nan, {**m, "train/loss": m["train/loss"] * jnp.nan}
+
     wrap_step(monkeypatch, train, poison)
-    with pytest.raises(run.TrainingError, match=r"loss nan, .* at step 3.*Last good checkpoint: .*step_00000002 \(untouched\)"):
+    with pytest.raises(
+        run.TrainingError, match=r"loss nan, .* at step 3.*Last good checkpoint: .*step_00000002 \(untouched\)"
+    ):
         train.main(tiny(train, small_corpus, tmp_path / "c"))
-    assert [os.path.basename(c) for c in checkpoint.all_checkpoints(str(tmp_path / "c" / "checkpoints"))] == \
-        ["step_00000002"]
+    assert [os.path.basename(c) for c in checkpoint.all_checkpoints(str(tmp_path / "c" / "checkpoints"))] == [
+        "step_00000002"
+    ]

@@ -28,12 +28,21 @@ def test_estimate_is_close_to_xlas_memory_analysis(variant):
 
         def batch(*lead):
             spec = NamedSharding(mesh, train.batch_spec(len(lead)))
-            return {k: jax.ShapeDtypeStruct((*lead, micro, cfg.seq_len), jnp.float32 if k == "loss_mask" else jnp.int32,
-                                            sharding=spec) for k in ("tokens", "targets", "segment_ids", "loss_mask")}
+            return {
+                k: jax.ShapeDtypeStruct(
+                    (*lead, micro, cfg.seq_len), jnp.float32 if k == "loss_mask" else jnp.int32, sharding=spec
+                )
+                for k in ("tokens", "targets", "segment_ids", "loss_mask")
+            }
 
-        est = memory.estimate(state, lambda p, b: train.model.loss_fn(p, b, cfg.model)[0], batch(),
-                              grad_accum=cfg.grad_accum)
-        stats = train.make_train_step(cfg, opt, schedule).lower(state, batch(cfg.grad_accum)).compile().memory_analysis()
-    xla = stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes + stats.temp_size_in_bytes
+        est = memory.estimate(
+            state, lambda p, b: train.model.loss_fn(p, b, cfg.model)[0], batch(), grad_accum=cfg.grad_accum
+        )
+        stats = (
+            train.make_train_step(cfg, opt, schedule).lower(state, batch(cfg.grad_accum)).compile().memory_analysis()
+        )
+    xla = (
+        stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes + stats.temp_size_in_bytes
+    )
     assert est["params"] + est["optimizer"] + est["batch"] == pytest.approx(stats.argument_size_in_bytes, rel=0.01)
     assert 0.75 * xla <= est["total"] <= 1.25 * xla, f"{variant}: estimate {memory.report(est)}, XLA {xla / 1e9:.3f} GB"

@@ -44,6 +44,7 @@ def keys(url):
 
 # ---------------------------------------------------------------- every store
 
+
 def test_round_trip_onto_other_meshes(bucket):
     src = ckpt_tree(mesh(8, (4, 2)))
     path = checkpoint.save(bucket, 7, src, {"loader": {"seed": 0, "position": 56}})
@@ -51,9 +52,11 @@ def test_round_trip_onto_other_meshes(bucket):
     assert len([k for k in keys(path) if k.startswith("arrays/w/c/")]) == 8  # one chunk per shard of 4 x 2
     for shape in ((1, 8), (1, 1)):
         m = mesh(shape[0] * shape[1], shape)
-        target = {"w": jax.ShapeDtypeStruct((64, 16), jnp.float32, sharding=NamedSharding(m, P(None, "model"))),
-                  "b": jax.ShapeDtypeStruct((16,), jnp.bfloat16, sharding=NamedSharding(m, P(None))),
-                  "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(m, P()))}
+        target = {
+            "w": jax.ShapeDtypeStruct((64, 16), jnp.float32, sharding=NamedSharding(m, P(None, "model"))),
+            "b": jax.ShapeDtypeStruct((16,), jnp.bfloat16, sharding=NamedSharding(m, P(None))),
+            "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(m, P())),
+        }
         got, meta = checkpoint.restore(path, target)
         assert meta["step"] == 7 and meta["loader"] == {"seed": 0, "position": 56}
         assert got["w"].sharding.mesh.size == m.size
@@ -86,8 +89,9 @@ def test_an_uncommitted_checkpoint_is_invisible_and_cleaned_up(bucket):
 
 def test_a_preempted_run_resumes_from_the_bucket_bit_exactly(bucket, tiny_dense, tmp_path, straight_run):
     run = tmp_path / "run"  # local: metrics and tokenizer; the checkpoints go to the bucket
-    proc = tiny_dense.start(run, "--steps", "500", "--warmup_steps", "1", "--save_every", "2",
-                            "--checkpoint_dir", bucket, **END_ONLY)
+    proc = tiny_dense.start(
+        run, "--steps", "500", "--warmup_steps", "1", "--save_every", "2", "--checkpoint_dir", bucket, **END_ONLY
+    )
     wait_for_step(run, 3, proc)
     assert "LOCK" in keys(bucket)  # the bucket is locked while the run uses it
     proc.send_signal(signal.SIGTERM)
@@ -100,8 +104,9 @@ def test_a_preempted_run_resumes_from_the_bucket_bit_exactly(bucket, tiny_dense,
     first = losses(run)
     end = straight_run["end"]
     assert 3 <= step < end and max(first) == step
-    resumed = train.main(tiny_dense.config(run, **END_ONLY, steps=500, save_every=0, stop_at=end, resume=True,
-                                           checkpoint_dir=bucket))
+    resumed = train.main(
+        tiny_dense.config(run, **END_ONLY, steps=500, save_every=0, stop_at=end, resume=True, checkpoint_dir=bucket)
+    )
     assert {**first, **resumed["losses"]} == straight_run["losses"]  # every loss, before and after the stop
     for a, b in zip(jax.tree.leaves(resumed["state"]), jax.tree.leaves(straight_run["state"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -113,31 +118,43 @@ def test_branching_back_on_object_storage_is_refused_with_the_way_to_branch(buck
     run = tmp_path / "run"
     train.main(tiny_dense.config(run, save_every=2, stop_at=4, checkpoint_dir=bucket, **END_ONLY))
     before = keys(bucket)
-    with pytest.raises(train.run.TrainingError, match=r"after step 2 \(step_00000004\).*--run_dir NEW --resume_from "
-                                                      rf"{bucket}/step_00000002"):
+    with pytest.raises(
+        train.run.TrainingError,
+        match=r"after step 2 \(step_00000004\).*--run_dir NEW --resume_from "
+        rf"{bucket}/step_00000002",
+    ):
         train.main(tiny_dense.config(run, save_every=2, resume_from="2", checkpoint_dir=bucket, **END_ONLY))
     assert keys(bucket) == before and not [d for d in os.listdir(run) if d.startswith("abandoned")]
     other = bucket.rsplit("/", 2)[0] + "/branch/checkpoints"
-    out = train.main(tiny_dense.config(tmp_path / "branch", save_every=0, resume_from=f"{bucket}/step_00000002",
-                                       checkpoint_dir=other, **END_ONLY))
+    out = train.main(
+        tiny_dense.config(
+            tmp_path / "branch", save_every=0, resume_from=f"{bucket}/step_00000002", checkpoint_dir=other, **END_ONLY
+        )
+    )
     assert sorted(out["losses"]) == [3, 4, 5, 6] and checkpoint.latest(other).endswith("step_00000006")
 
 
 @pytest.fixture(scope="module")
 def straight_run(tiny_dense, tmp_path_factory):
     """The 500-step schedule run straight to step 12, never stopped, checkpoints local."""
-    out = train.main(tiny_dense.config(tmp_path_factory.mktemp("straight"), **END_ONLY, steps=500,
-                                       save_every=0, stop_at=12, warmup_steps=1))
+    out = train.main(
+        tiny_dense.config(
+            tmp_path_factory.mktemp("straight"), **END_ONLY, steps=500, save_every=0, stop_at=12, warmup_steps=1
+        )
+    )
     return {"losses": out["losses"], "state": out["state"], "end": 12}
 
 
 # ---------------------------------------------------------------- asynchronous saves
 
+
 def big_tree(m, seed=0):
     """16 MB of float32 on a 4 x 2 mesh: a write that takes a while."""
     with jax.set_mesh(m):
-        return {"w": jax.random.normal(jax.random.key(seed), (2048, 2048), jnp.float32, out_sharding=P("data", "model")),
-                "n": jnp.asarray(seed, jnp.int32)}
+        return {
+            "w": jax.random.normal(jax.random.key(seed), (2048, 2048), jnp.float32, out_sharding=P("data", "model")),
+            "n": jnp.asarray(seed, jnp.int32),
+        }
 
 
 # stands in for a train step: a new state from the old one, whose buffers it takes (donates)
@@ -194,10 +211,15 @@ def test_a_read_only_checkpoint_dir_stops_the_run_at_the_next_step(tiny_dense, t
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     (run / "checkpoints").chmod(0o555)
-    cmd = [*_as_user_without_dac_override(), sys.executable, os.path.join(ROOT, "variants", "dense", "train.py"),
-           *tiny_dense.flags(run, **END_ONLY, steps=40, save_every=2)]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
-                         timeout=300)
+    cmd = [
+        *_as_user_without_dac_override(),
+        sys.executable,
+        os.path.join(ROOT, "variants", "dense", "train.py"),
+        *tiny_dense.flags(run, **END_ONLY, steps=40, save_every=2),
+    ]
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, timeout=300
+    )
     (run / "checkpoints").chmod(0o755)
     assert out.returncode == 1, out.stderr[-3000:]
     assert "error: saving step 2 to" in out.stderr and "Permission denied" in out.stderr, out.stderr[-3000:]
@@ -212,8 +234,18 @@ def test_kill_9_during_async_saves_to_the_bucket_never_loses_the_previous_checkp
     import random
 
     rng, run, url = random.Random(1), tmp_path / "run", s3.bucket(f"stencil-kill-{os.getpid()}") + "/ck"
-    args = ["--steps", "60", "--warmup_steps", "1", "--save_every", "1", "--keep_checkpoints", "2",
-            "--checkpoint_dir", url]
+    args = [
+        "--steps",
+        "60",
+        "--warmup_steps",
+        "1",
+        "--save_every",
+        "1",
+        "--keep_checkpoints",
+        "2",
+        "--checkpoint_dir",
+        url,
+    ]
     seen, steps = 0, []
     for _ in range(3):
         resume = ["--resume", "true"] if checkpoint.all_checkpoints(url) else []

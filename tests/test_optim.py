@@ -29,12 +29,18 @@ def decl(expert: bool) -> dict:
         "bias": Weight((L, F), P(None, "model"), "bias", normal(0.1)),
     }
     if expert:
-        layers |= {"ex_up": Weight((L, E, D, F), P(None, "expert", "data", "model"), "expert_matrix", normal(0.1),
-                                   fan_in=2, fan_out=3),
-                   "router": Weight((L, D, E), P(None, batch, None), "router", normal(0.1), fan_in=1, fan_out=2),
-                   "router_bias": Weight((L, E), P(None, None), "buffer", zeros, dtype="float32")}
-    return {"embed": Weight((V, D), P("model", batch), "embedding", normal(0.1), fan_in=0, fan_out=1),
-            "layers": layers, "final_norm": Weight((D,), P(None), "norm", ones)}
+        layers |= {
+            "ex_up": Weight(
+                (L, E, D, F), P(None, "expert", "data", "model"), "expert_matrix", normal(0.1), fan_in=2, fan_out=3
+            ),
+            "router": Weight((L, D, E), P(None, batch, None), "router", normal(0.1), fan_in=1, fan_out=2),
+            "router_bias": Weight((L, E), P(None, None), "buffer", zeros, dtype="float32"),
+        }
+    return {
+        "embed": Weight((V, D), P("model", batch), "embedding", normal(0.1), fan_in=0, fan_out=1),
+        "layers": layers,
+        "final_norm": Weight((D,), P(None), "norm", ones),
+    }
 
 
 HYPER = dict(lr=0.02, steps=10, warmup=1, min_lr_ratio=0.1, weight_decay=0.1, b1=0.9, b2=0.95, grad_clip=1.0)
@@ -44,8 +50,14 @@ def grads_at(params, i):
     """Deterministic gradient-like pytree for step i (same on every mesh)."""
     leaves, treedef = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.fold_in(jax.random.key(100), i), len(leaves))
-    return jax.tree.unflatten(treedef, [jax.random.normal(k, p.shape, jnp.float32, out_sharding=jax.typeof(p).sharding.spec)
-                                        .astype(p.dtype) + 0.5 * p for k, p in zip(keys, leaves)])
+    return jax.tree.unflatten(
+        treedef,
+        [
+            jax.random.normal(k, p.shape, jnp.float32, out_sharding=jax.typeof(p).sharding.spec).astype(p.dtype)
+            + 0.5 * p
+            for k, p in zip(keys, leaves)
+        ],
+    )
 
 
 def run(d, name, steps, mesh=None, oc=optim.OptimConfig(), **over):
@@ -54,8 +66,7 @@ def run(d, name, steps, mesh=None, oc=optim.OptimConfig(), **over):
     opt, _ = optim.make(d, name, oc, **(HYPER | over))
 
     def go():
-        params, state = jax.jit(lambda k: (lambda p: (p, opt.init(p)))(init_params(d, k, "float32")))(
-            jax.random.key(0))
+        params, state = jax.jit(lambda k: (lambda p: (p, opt.init(p)))(init_params(d, k, "float32")))(jax.random.key(0))
         out = []
 
         @jax.jit
@@ -91,6 +102,7 @@ def _one_device_mesh():
 
 # ---------------------------------------------------------------- Newton-Schulz
 
+
 @pytest.mark.parametrize("m,n", [(64, 64), (32, 128), (128, 32), (96, 48)])
 def test_newton_schulz_singular_values_in_band(m, n):
     lo, hi = optim.NS_BAND
@@ -114,8 +126,12 @@ def test_orthogonalize_batched_equals_per_matrix_loop(sharded):
     """[L, in, out] and [L, E, in, out], both aspect ratios, equal Newton-Schulz of each slice; sharded
     on a data x expert x model = 2x2x2 mesh (the all-to-all plan) they still do."""
     d = decl(expert=True)["layers"]
-    cases = [d["w_in"], d["w_out"], d["ex_up"], Weight((3, D, F), P(None, "data", "model"), "matrix", normal(1.0),
-                                                       fan_in=1, fan_out=2)]  # 3 layers: padded to the mesh
+    cases = [
+        d["w_in"],
+        d["w_out"],
+        d["ex_up"],
+        Weight((3, D, F), P(None, "data", "model"), "matrix", normal(1.0), fan_in=1, fan_out=2),
+    ]  # 3 layers: padded to the mesh
     mesh = mesh_of((2, 2, 2), ("data", "expert", "model")) if sharded else None
     for i, w in enumerate(cases):
         x = np.asarray(jax.random.normal(jax.random.key(i), w.shape))
@@ -136,16 +152,21 @@ def test_orthogonalize_moves_fan_axes():
     x = jax.random.normal(jax.random.key(3), (D, L, F))
     w = Weight((D, L, F), P(), "matrix", normal(1.0), fan_in=0, fan_out=2)
     want = optim.newton_schulz(jnp.transpose(x, (1, 0, 2)), 5)
-    np.testing.assert_allclose(np.asarray(optim.orthogonalize(x, w, 5)), np.asarray(jnp.transpose(want, (1, 0, 2))),
-                               atol=2e-5)
+    np.testing.assert_allclose(
+        np.asarray(optim.orthogonalize(x, w, 5)), np.asarray(jnp.transpose(want, (1, 0, 2))), atol=2e-5
+    )
 
 
 # ---------------------------------------------------------------- optimizers
 
+
 # 20-150 s each on 2 cores: the integration tier (the fast tier's test_optim cases check each optimizer's
 # update rule and sharding specs on their own)
-@pytest.mark.parametrize("name,expert", [pytest.param(n, True, marks=LONG) for n in optim.OPTIMIZERS]
-                         + [pytest.param("muon", False, marks=LONG), pytest.param("adamh", False, marks=LONG)])
+@pytest.mark.parametrize(
+    "name,expert",
+    [pytest.param(n, True, marks=LONG) for n in optim.OPTIMIZERS]
+    + [pytest.param("muon", False, marks=LONG), pytest.param("adamh", False, marks=LONG)],
+)
 def test_sharded_equals_one_device(name, expert):
     """Three steps on data x expert x model = 2x2x2 (with experts: every optimizer) and on data x model =
     4x2 (dense: Newton-Schulz and the Adam hyperball) equal the same steps on one device, to fp32
@@ -220,13 +241,22 @@ def test_renaming_a_weight_changes_nothing_but_its_key():
 
 def test_adding_a_weight_leaves_every_other_init_bit_identical():
     d = decl(expert=False)
-    more = {**d, "extra": Weight((D, D), P(), "matrix", normal(0.1), fan_in=0, fan_out=1),
-            "layers": {**d["layers"], "another": Weight((L, D), P(), "gain", normal(1.0))}}
+    more = {
+        **d,
+        "extra": Weight((D, D), P(), "matrix", normal(0.1), fan_in=0, fan_out=1),
+        "layers": {**d["layers"], "another": Weight((L, D), P(), "gain", normal(1.0))},
+    }
     a = init_params(d, jax.random.key(3), "float32")
     b = init_params(more, jax.random.key(3), "float32")
-    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a,
-                 {k: ({kk: vv for kk, vv in v.items() if kk != "another"} if k == "layers" else v)
-                  for k, v in b.items() if k != "extra"})
+    jax.tree.map(
+        lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
+        a,
+        {
+            k: ({kk: vv for kk, vv in v.items() if kk != "another"} if k == "layers" else v)
+            for k, v in b.items()
+            if k != "extra"
+        },
+    )
 
 
 def test_lr_mult_per_role():
@@ -267,11 +297,25 @@ def test_ema_update():
     np.testing.assert_allclose(np.asarray(e["a"]), 0.1, rtol=1e-6)
 
 
-@pytest.mark.parametrize("field,value", [("schedule", "linear"), ("decay_frac", 0.0), ("decay_frac", 1.5),
-                                         ("lr_mult", "embedding"), ("lr_mult", "nonsense=1"), ("lr_mult", "norm=-1"),
-                                         ("lr_mult", "norm=1,norm=2"), ("momentum", 1.0), ("ns_steps", 0),
-                                         ("muon_rms", 0.0), ("eps", 0.0), ("ema", 1.0), ("ema", -0.1),
-                                         ("schedule_steps", -1)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("schedule", "linear"),
+        ("decay_frac", 0.0),
+        ("decay_frac", 1.5),
+        ("lr_mult", "embedding"),
+        ("lr_mult", "nonsense=1"),
+        ("lr_mult", "norm=-1"),
+        ("lr_mult", "norm=1,norm=2"),
+        ("momentum", 1.0),
+        ("ns_steps", 0),
+        ("muon_rms", 0.0),
+        ("eps", 0.0),
+        ("ema", 1.0),
+        ("ema", -0.1),
+        ("schedule_steps", -1),
+    ],
+)
 def test_config_rejects(field, value):
     with pytest.raises(optim.OptimError, match=f"optim.{field}"):
         optim.OptimConfig(**{field: value})

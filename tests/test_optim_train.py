@@ -18,12 +18,15 @@ FOLDERS = discover()
 
 def steps(folder, name, n=10, **over):
     train = load(os.path.join(ROOT, folder, "train.py"))
-    cfg = train.TrainConfig(seq_len=32, batch_size=4, steps=n, warmup_steps=0, optimizer=name, wandb="disabled",
-                            **over)
+    cfg = train.TrainConfig(seq_len=32, batch_size=4, steps=n, warmup_steps=0, optimizer=name, wandb="disabled", **over)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 64, (4, 33)).astype(np.int32)  # a small alphabet: learnable in a few steps
-    batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": np.ones((4, 32), np.int32),
-             "loss_mask": np.ones((4, 32), np.float32)}
+    batch = {
+        "tokens": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "segment_ids": np.ones((4, 32), np.int32),
+        "loss_mask": np.ones((4, 32), np.float32),
+    }
     mesh = train.make_mesh(cfg, jax.devices()[:1])
     opt, schedule = train.make_optimizer(cfg)
     with jax.set_mesh(mesh):

@@ -38,6 +38,7 @@ def start(tiny_dense, run_dir, *args):
 
 # ---------------------------------------------------------------- preemption
 
+
 @pytest.mark.integration  # a subprocess: the signal must not take pytest with it
 def test_sigterm_saves_exits_75_and_the_resume_is_bit_exact(tiny_dense, tmp_path):
     run = tmp_path / "preempted"
@@ -72,13 +73,20 @@ print("not reached", flush=True)
 
 
 def test_a_second_signal_exits_at_once():
-    out = subprocess.run([sys.executable, "-c", SECOND_SIGNAL], capture_output=True, text=True, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", SECOND_SIGNAL],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        timeout=120,
+    )
     assert out.returncode == guard.EXIT_PREEMPTED and "first True True" in out.stdout, out
     assert "not reached" not in out.stdout and "second signal (SIGTERM): exiting now" in out.stderr
 
 
 # ---------------------------------------------------------------- one run per directory
+
 
 def test_a_second_run_in_the_same_directory_is_refused(tiny_dense, tmp_path):
     holder = subprocess.Popen(["sleep", "60"])
@@ -126,9 +134,20 @@ train.main(train.cli.parse(train.TrainConfig, train.HERE, sys.argv[2:]))
 @pytest.mark.integration  # a subprocess the watchdog aborts
 def test_the_watchdog_aborts_a_hung_step_with_every_stack(tiny_dense, tmp_path):
     t = time.time()
-    out = subprocess.run([sys.executable, "-c", HANG, tiny_dense.script,
-                          *tiny_dense.flags(tmp_path, **END_ONLY, save_every=100, steps=20, watchdog_s=4)], capture_output=True, text=True, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            HANG,
+            tiny_dense.script,
+            *tiny_dense.flags(tmp_path, **END_ONLY, save_every=100, steps=20, watchdog_s=4),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        timeout=300,
+    )
     assert out.returncode == guard.EXIT_HUNG, out.stderr[-3000:]
     assert time.time() - t < 240
     assert "watchdog: no training step completed for 4 s" in out.stderr
@@ -140,6 +159,7 @@ def test_the_watchdog_aborts_a_hung_step_with_every_stack(tiny_dense, tmp_path):
 
 
 # ---------------------------------------------------------------- resume refuses what it cannot honour
+
 
 def test_resume_refuses_what_would_change_the_data(small_corpus, tiny_dense, tmp_path, capsys):
     run = tmp_path / "run"
@@ -157,14 +177,19 @@ def test_resume_refuses_what_would_change_the_data(small_corpus, tiny_dense, tmp
     assert again["already_complete"] and again["losses"] == {} and again["step"] == 3
     assert f"this run is complete: {ck / 'step_00000003'} is at step 3, its last step" in text, text
     assert "MFU is against" not in text  # nothing else: no peak measured (nor a wandb run opened)
-    assert (f"resume: ignored {ck / 'step_00000005'}: 1 files, but no metadata.json (its commit record): a save "
-            "that did not finish") in text, text
+    assert (
+        f"resume: ignored {ck / 'step_00000005'}: 1 files, but no metadata.json (its commit record): a save "
+        "that did not finish"
+    ) in text, text
     for x, y in zip(jax.tree.leaves(again["state"]), jax.tree.leaves(first["state"])):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert (run / "metrics.jsonl").read_text() == rows  # nothing trained, nothing logged over it
     assert checkpoint.all_checkpoints(str(ck)) == [str(ck / "step_00000003")]
-    with pytest.raises(TrainingError, match=r"step_00000003 is at step 3, past the end of this run at step 2 .*"
-                                            r"pass --steps \(or --stop_at\) 3 or more"):
+    with pytest.raises(
+        TrainingError,
+        match=r"step_00000003 is at step 3, past the end of this run at step 2 .*"
+        r"pass --steps \(or --stop_at\) 3 or more",
+    ):
         train.main(small(tiny_dense, run, steps=6, stop_at=2, resume=True))
     with pytest.raises(TrainingError, match=r"data stream differs.*'seq_len': \(32, 16\)"):
         train.main(small(tiny_dense, run, steps=6, seq_len=16, resume=True))
@@ -173,13 +198,26 @@ def test_resume_refuses_what_would_change_the_data(small_corpus, tiny_dense, tmp
     for name in sorted(os.listdir(os.path.dirname(small_corpus)))[:3]:
         (other / name).write_text(open(os.path.join(os.path.dirname(small_corpus), name)).read())
     with pytest.raises(TrainingError, match=r"data stream differs.*'corpus'"):
-        train.main(small(tiny_dense, run, steps=6, resume=True,
-                         data=data.DataConfig(source=str(other / "*.txt"), val_fraction=0.1)))
+        train.main(
+            small(
+                tiny_dense,
+                run,
+                steps=6,
+                resume=True,
+                data=data.DataConfig(source=str(other / "*.txt"), val_fraction=0.1),
+            )
+        )
     assert (run / "tokenizer.json").read_bytes() == tokenizer  # never overwritten
     # a path-only change (the cache directory) cannot change the data: the resume goes on
-    out = train.main(small(tiny_dense, run, steps=6, resume=True,
-                           data=data.DataConfig(source=small_corpus, val_fraction=0.1,
-                                                cache_dir=str(tmp_path / "cache2"))))
+    out = train.main(
+        small(
+            tiny_dense,
+            run,
+            steps=6,
+            resume=True,
+            data=data.DataConfig(source=small_corpus, val_fraction=0.1, cache_dir=str(tmp_path / "cache2")),
+        )
+    )
     assert sorted(out["losses"]) == [4, 5, 6]
     assert (run / "tokenizer.json").read_bytes() == tokenizer
 
@@ -187,8 +225,11 @@ def test_resume_refuses_what_would_change_the_data(small_corpus, tiny_dense, tmp
 def test_resume_from_a_named_checkpoint(tiny_dense, tmp_path):
     straight = train.main(small(tiny_dense, tmp_path / "a", steps=6, save_every=2, keep_checkpoints=5))
     ck = tmp_path / "a" / "checkpoints"
-    with pytest.raises(checkpoint.CheckpointError, match=r"no checkpoint .*step_00000005.*\['step_00000002', "
-                                                         r"'step_00000004', 'step_00000006'\]"):
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=r"no checkpoint .*step_00000005.*\['step_00000002', "
+        r"'step_00000004', 'step_00000006'\]",
+    ):
         train.main(small(tiny_dense, tmp_path / "a", steps=6, resume_from="5"))
     # by path, in another run directory's copy: the run directory follows from the path
     out = train.main(small(tiny_dense, "", steps=6, resume_from=str(ck / "step_00000002")))
@@ -198,6 +239,7 @@ def test_resume_from_a_named_checkpoint(tiny_dense, tmp_path):
 
 
 # ---------------------------------------------------------------- kill -9
+
 
 @pytest.mark.integration  # a kill -9 loop over subprocesses
 def test_kill_9_in_saves_and_deletions_never_loses_the_newest_complete_checkpoint(tiny_dense, tmp_path):

@@ -12,8 +12,14 @@ TOOL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 TRAIN = "".join(f"STEP_{i} = {i}  # train setting {i}\n" for i in range(20))
 BODY = "".join(f"def layer_{i}(x):\n    return x * {i}\n" for i in range(9))
-GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.com", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@example.com", "GIT_CONFIG_NOSYSTEM": "1", "HOME": "/nonexistent"}
+GIT_ENV = {
+    "GIT_AUTHOR_NAME": "t",
+    "GIT_AUTHOR_EMAIL": "t@example.com",
+    "GIT_COMMITTER_NAME": "t",
+    "GIT_COMMITTER_EMAIL": "t@example.com",
+    "GIT_CONFIG_NOSYSTEM": "1",
+    "HOME": "/nonexistent",
+}
 
 
 def model(parent):
@@ -33,8 +39,9 @@ FIXED = line(TRAIN, 3, FIX)  # the parent's change: line 3 of train.py
 
 def git(root, *args):
     env = {**os.environ, **GIT_ENV}
-    return subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True, text=True,
-                          env=env).stdout.strip()
+    return subprocess.run(
+        ["git", "-C", str(root), *args], check=True, capture_output=True, text=True, env=env
+    ).stdout.strip()
 
 
 def write(root, files):
@@ -46,11 +53,17 @@ def write(root, files):
 
 def make_repo(root, a_train=TRAIN, b_train=TRAIN):
     """The three folders, committed; the descendants' train.py as given."""
-    write(root, {
-        "templates/base/model.py": model(None), "templates/base/train.py": TRAIN,
-        "variants/a/model.py": model("templates/base"), "variants/a/train.py": a_train,
-        "variants/b/model.py": model("variants/a"), "variants/b/train.py": b_train,
-    })
+    write(
+        root,
+        {
+            "templates/base/model.py": model(None),
+            "templates/base/train.py": TRAIN,
+            "variants/a/model.py": model("templates/base"),
+            "variants/a/train.py": a_train,
+            "variants/b/model.py": model("variants/a"),
+            "variants/b/train.py": b_train,
+        },
+    )
     git(root, "init", "-q", "-b", "main")
     git(root, "add", "-A")
     git(root, "commit", "-q", "-m", "initial")
@@ -58,8 +71,7 @@ def make_repo(root, a_train=TRAIN, b_train=TRAIN):
 
 
 def run(root, *args):
-    p = subprocess.run([sys.executable, TOOL, *args, "--root", str(root)], capture_output=True, text=True,
-                       timeout=60)
+    p = subprocess.run([sys.executable, TOOL, *args, "--root", str(root)], capture_output=True, text=True, timeout=60)
     return p.returncode, p.stdout, p.stderr
 
 
@@ -147,8 +159,10 @@ def test_diverged_near_the_change_but_clean(tmp_path):
     assert rc == 0, out
     a_part, b_part = out.split("== variants/b")
     assert "variants/a/train.py: clean; written" in a_part
-    assert ("parent hunk: old lines 3 -> new lines 3: diverged: lines 5 of the descendant differ "
-            "from the parent's old lines 5") in a_part
+    assert (
+        "parent hunk: old lines 3 -> new lines 3: diverged: lines 5 of the descendant differ "
+        "from the parent's old lines 5"
+    ) in a_part
     assert "diverged" not in b_part and "matches the parent's old lines" in b_part
     assert read(root, "variants/a/train.py") == line(near, 3, FIX)
 
@@ -199,16 +213,19 @@ def test_rev_range_and_single_commit(tmp_path):
     assert rc == 2
 
 
-@pytest.mark.parametrize("args, msg", [
-    (["variants/nope"], "unknown folder"),
-    (["templates/base"], "no change to templates/base/"),
-    (["templates/base", "--rev", "nosuchrev"], "is not a commit"),
-    (["templates/base", "--rev", "HEAD..nosuchrev"], "is not a commit"),
-    (["templates/base", "--rev", "HEAD...HEAD"], "two dots"),
-    (["templates/base", "--files", "model.py"], "not changed"),
-    (["templates/base", "--to", "variants/zz"], "not a descendant"),
-    (["variants/b", "--files", "train.py", "--to", "variants/a"], "not a descendant"),
-])
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        (["variants/nope"], "unknown folder"),
+        (["templates/base"], "no change to templates/base/"),
+        (["templates/base", "--rev", "nosuchrev"], "is not a commit"),
+        (["templates/base", "--rev", "HEAD..nosuchrev"], "is not a commit"),
+        (["templates/base", "--rev", "HEAD...HEAD"], "two dots"),
+        (["templates/base", "--files", "model.py"], "not changed"),
+        (["templates/base", "--to", "variants/zz"], "not a descendant"),
+        (["variants/b", "--files", "train.py", "--to", "variants/a"], "not a descendant"),
+    ],
+)
 def test_usage_errors(tmp_path, args, msg):
     root = make_repo(tmp_path)
     if "--files" in args or "--to" in args:

@@ -47,7 +47,9 @@ STOP_AT, SIGNAL_AFTER = 40, 3  # every job runs the same 500-step schedule, stop
 
 def why_slurm_cannot_start() -> str | None:
     if os.geteuid() != 0:
-        return "the SLURM tests start munged, slurmctld and slurmd, which run as root here: run pytest as root (CI does)"
+        return (
+            "the SLURM tests start munged, slurmctld and slurmd, which run as root here: run pytest as root (CI does)"
+        )
     missing = [b for b in DAEMONS + CLIENTS if shutil.which(b, path=SBIN) is None]
     if missing:
         how = "apt-get install -y slurm-wlm munge" if shutil.which("apt-get") else "no apt-get here to install them"
@@ -60,23 +62,44 @@ def slurm_conf(d: str, ctld_port: int, slurmd_port: int, cpus: int) -> str:
 
     Job ids start at a random number: JAX derives a SLURM job's coordinator port from its job id, so two
     test clusters on one machine that both count from 1 would send their jobs' tasks to one coordinator."""
-    return "\n".join([
-        f"FirstJobId={random.randrange(1000, 60000)}",
-        "ClusterName=stencil", "SlurmctldHost=localhost", f"SlurmctldPort={ctld_port}", f"SlurmdPort={slurmd_port}",
-        "SlurmUser=root", "SlurmdUser=root",
-        "AuthType=auth/munge", f"AuthInfo=socket={d}/munge.socket,cred_expire={REQUEUE_DELAY}",
-        "CredType=cred/munge", f"StateSaveLocation={d}/state", f"SlurmdSpoolDir={d}/spool",
-        f"SlurmctldPidFile={d}/slurmctld.pid", f"SlurmdPidFile={d}/slurmd.pid",
-        f"SlurmctldLogFile={d}/slurmctld.log", f"SlurmdLogFile={d}/slurmd.log",
-        "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
-        "AccountingStorageType=accounting_storage/none", "JobCompType=jobcomp/none", "MpiDefault=none",
-        "MailProg=/bin/true", "SchedulerType=sched/builtin",
-        "SchedulerParameters=sched_interval=2",  # a requeued job waits for the next pass (60 s by default)
-        "SelectType=select/cons_tres",
-        "SelectTypeParameters=CR_CPU", "ReturnToService=2", "JobRequeue=1", "KillWait=10",
-        "SlurmdParameters=config_overrides",  # the node's CPUs as stated, whatever the hardware says
-        f"NodeName=localhost CPUs={cpus} State=UNKNOWN",
-        "PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP", ""])
+    return "\n".join(
+        [
+            f"FirstJobId={random.randrange(1000, 60000)}",
+            "ClusterName=stencil",
+            "SlurmctldHost=localhost",
+            f"SlurmctldPort={ctld_port}",
+            f"SlurmdPort={slurmd_port}",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            "AuthType=auth/munge",
+            f"AuthInfo=socket={d}/munge.socket,cred_expire={REQUEUE_DELAY}",
+            "CredType=cred/munge",
+            f"StateSaveLocation={d}/state",
+            f"SlurmdSpoolDir={d}/spool",
+            f"SlurmctldPidFile={d}/slurmctld.pid",
+            f"SlurmdPidFile={d}/slurmd.pid",
+            f"SlurmctldLogFile={d}/slurmctld.log",
+            f"SlurmdLogFile={d}/slurmd.log",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "AccountingStorageType=accounting_storage/none",
+            "JobCompType=jobcomp/none",
+            "MpiDefault=none",
+            "MailProg=/bin/true",
+            "SchedulerType=sched/builtin",
+            "SchedulerParameters=sched_interval=2",  # a requeued job waits for the next pass (60 s by default)
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_CPU",
+            "ReturnToService=2",
+            "JobRequeue=1",
+            "KillWait=10",
+            "SlurmdParameters=config_overrides",  # the node's CPUs as stated, whatever the hardware says
+            f"NodeName=localhost CPUs={cpus} State=UNKNOWN",
+            "PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP",
+            "",
+        ]
+    )
 
 
 class Slurm:
@@ -103,8 +126,15 @@ class Slurm:
 
     def start(self, name: str, *args) -> None:
         log = open(os.path.join(self.dir, name + ".out"), "w")
-        self.procs.append(subprocess.Popen([shutil.which(name, path=SBIN), *args], env=self.env, stdout=log,
-                                           stderr=subprocess.STDOUT, start_new_session=True))
+        self.procs.append(
+            subprocess.Popen(
+                [shutil.which(name, path=SBIN), *args],
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
 
     def logs(self, n: int = 15) -> str:
         out = []
@@ -130,8 +160,10 @@ class Slurm:
                 return job
             time.sleep(0.5)
         text = open(output).read()[-4000:] if output and os.path.exists(output) else "(no job output)"
-        raise AssertionError(f"job {jobid}: {what} not within {timeout:.0f} s; now {job.get('JobState')} "
-                             f"({job.get('Reason')}).\n{text}\n{self.logs()}")
+        raise AssertionError(
+            f"job {jobid}: {what} not within {timeout:.0f} s; now {job.get('JobState')} "
+            f"({job.get('Reason')}).\n{text}\n{self.logs()}"
+        )
 
     def tasks(self, jobid: int) -> dict[int, int]:
         """{SLURM_PROCID: pid} of this job's python processes (srun's tasks, not srun), found through /proc."""
@@ -190,8 +222,16 @@ def cluster(tmp_path_factory):
         f.write(slurm_conf(d, free_port(), free_port(), max(2, os.cpu_count() or 1)))
     s = Slurm(d)
     try:
-        s.start("munged", "--foreground", "--force", f"--socket={d}/munge.socket", f"--key-file={d}/munge.key",
-                f"--pid-file={d}/munged.pid", f"--seed-file={d}/munged.seed", f"--log-file={d}/munged.log")
+        s.start(
+            "munged",
+            "--foreground",
+            "--force",
+            f"--socket={d}/munge.socket",
+            f"--key-file={d}/munge.key",
+            f"--pid-file={d}/munged.pid",
+            f"--seed-file={d}/munged.seed",
+            f"--log-file={d}/munged.log",
+        )
         t = time.monotonic()
         while not os.path.exists(f"{d}/munge.socket"):
             assert s.procs[0].poll() is None and time.monotonic() - t < 30, "munged did not start\n" + s.logs()
@@ -211,9 +251,34 @@ def cluster(tmp_path_factory):
 def generate(tmp_path, run_dir, tiny_dense, *train_flags) -> str:
     """launch/slurm.py's script for 2 tasks x 4 CPU devices on the one node."""
     script = str(tmp_path / "job.sbatch")
-    assert slurm.main(["--nodes", "1", "--tasks-per-node", "2", "--gpus-per-node", "0", "--cpu-devices", "4",
-                       "--time", "10", "--max-requeues", "2", "--python", sys.executable, "--workdir", ROOT,
-                       "-o", script, "--", *tiny_dense.flags(run_dir, **JOB, stop_at=STOP_AT), *train_flags]) == 0
+    assert (
+        slurm.main(
+            [
+                "--nodes",
+                "1",
+                "--tasks-per-node",
+                "2",
+                "--gpus-per-node",
+                "0",
+                "--cpu-devices",
+                "4",
+                "--time",
+                "10",
+                "--max-requeues",
+                "2",
+                "--python",
+                sys.executable,
+                "--workdir",
+                ROOT,
+                "-o",
+                script,
+                "--",
+                *tiny_dense.flags(run_dir, **JOB, stop_at=STOP_AT),
+                *train_flags,
+            ]
+        )
+        == 0
+    )
     return script
 
 
@@ -279,8 +344,9 @@ def test_a_task_killed_with_sigkill_fails_the_job_naming_it(cluster, tiny_dense,
     jobid = cluster.submit(generate(tmp_path, run, tiny_dense), cwd=tmp_path, STENCIL_HEARTBEAT_TIMEOUT="10")
     out = tmp_path / f"slurm-{jobid}.out"
     t = time.monotonic()  # both tasks have joined the run (no need to wait for the compilation and a step)
-    while not all(f"distributed (slurm): process {i} of 2" in (out.read_text() if out.exists() else "")
-                  for i in (0, 1)):
+    while not all(
+        f"distributed (slurm): process {i} of 2" in (out.read_text() if out.exists() else "") for i in (0, 1)
+    ):
         assert time.monotonic() - t < 240 and not ended(cluster.job(jobid)), "the tasks did not start"
         time.sleep(0.2)
     tasks = cluster.tasks(jobid)

@@ -64,17 +64,29 @@ def assert_batches_equal(a, b):
 
 # ---------------------------------------------------------------- the tokenize command
 
+
 @pytest.mark.integration  # a kill -9 of the tokenize command and its workers
 def test_tokenize_killed_midway_then_rerun_equals_one_go(tmp_path, tok_file):
     inputs = tmp_path / "in"
     inputs.mkdir()
     for i in range(24):
         write_jsonl(inputs / f"part{i:03d}.jsonl", make_docs(200, seed=i))
-    cmd = [sys.executable, "-m", "shared.pretokenize", str(inputs / "*.jsonl"), "--tokenizer", tok_file,
-           "--workers", "2", "--out", str(tmp_path / "killed")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "shared.pretokenize",
+        str(inputs / "*.jsonl"),
+        "--tokenizer",
+        tok_file,
+        "--workers",
+        "2",
+        "--out",
+        str(tmp_path / "killed"),
+    ]
     env = {**os.environ, "PYTHONPATH": ROOT}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
     shards = tmp_path / "killed" / "shards"
     t0 = time.time()
     while time.time() - t0 < 120:
@@ -106,6 +118,7 @@ def test_input_formats_give_the_same_tokens(tmp_path, tok_file):
     import pyarrow as pa
     import pyarrow.parquet as pq
     import zstandard
+
     docs = make_docs(30)
     d = tmp_path / "in"
     d.mkdir()
@@ -126,14 +139,16 @@ def test_input_formats_give_the_same_tokens(tmp_path, tok_file):
 def test_the_tokenizing_bar_counts_documents(tmp_path, tok_file, capsys):
     """The bar train.py shows while its text is tokenized: one bar, its total the number of documents, unit doc."""
     src = write_corpus(tmp_path, n_docs=70)  # more than one batch of 64
-    load_corpus(DataConfig(source=str(src / "*.txt"), tokenizer=tok_file, cache_dir=str(tmp_path / "c")), VOCAB,
-                progress=True)
+    load_corpus(
+        DataConfig(source=str(src / "*.txt"), tokenizer=tok_file, cache_dir=str(tmp_path / "c")), VOCAB, progress=True
+    )
     renders = [r.strip() for r in capsys.readouterr().err.replace("\r", "\n").splitlines() if "tokenizing" in r]
     assert renders and all(re.search(r"\| \d+/70 \[[^\]]*(\?|\d)doc/s\]$", r) for r in renders), renders
     assert renders[-1].startswith("tokenizing: 100%") and " 70/70 [" in renders[-1]
 
 
 # ---------------------------------------------------------------- the loader over stores
+
 
 def in_memory(cfg, tok_path):
     """Today's in-memory path: documents -> encode -> split_documents."""
@@ -150,8 +165,13 @@ def test_store_rows_equal_the_in_memory_rows(tmp_path, tok_file):
     pretokenize.run([str(src / "*.txt")], str(tmp_path / "store"), tokenizer=tok_file, workers=1, progress=False)
     cached = load_corpus(cfg, VOCAB, progress=False)  # the text source's store in the cache
     for source in (str(tmp_path / "store"), "file://" + str(tmp_path / "store"), None):
-        corpus = cached if source is None else load_corpus(
-            DataConfig(source=source, tokenizer=tok_file, val_fraction=0.1, cache_dir=str(tmp_path / "c")), VOCAB)
+        corpus = (
+            cached
+            if source is None
+            else load_corpus(
+                DataConfig(source=source, tokenizer=tok_file, val_fraction=0.1, cache_dir=str(tmp_path / "c")), VOCAB
+            )
+        )
         assert isinstance(corpus.train, data.Stream)
         want = rows_of(Loader(train_mem, 16, 6, seed=2), 25)  # > 2 epochs
         assert_batches_equal(rows_of(data.make_loader(corpus, 16, 6, seed=2), 25), want)
@@ -168,10 +188,14 @@ def test_a_store_written_to_the_s3_server_reads_as_the_local_one(tmp_path, tok_f
     url = s3.bucket("tokens") + "/web"
     for out in (str(tmp_path / "local"), url):
         pretokenize.run([str(src / "*.txt")], out, tokenizer=tok_file, workers=1, progress=False)
-    local, remote = (load_corpus(DataConfig(source=s, tokenizer=tok_file, val_fraction=0.1,
-                                            cache_dir=str(tmp_path / "c")), VOCAB) for s in (str(tmp_path / "local"), url))
+    local, remote = (
+        load_corpus(DataConfig(source=s, tokenizer=tok_file, val_fraction=0.1, cache_dir=str(tmp_path / "c")), VOCAB)
+        for s in (str(tmp_path / "local"), url)
+    )
     assert local.digest == remote.digest
-    assert_batches_equal(rows_of(data.make_loader(remote, 16, 6, seed=2), 8), rows_of(data.make_loader(local, 16, 6, seed=2), 8))
+    assert_batches_equal(
+        rows_of(data.make_loader(remote, 16, 6, seed=2), 8), rows_of(data.make_loader(local, 16, 6, seed=2), 8)
+    )
 
 
 def test_mixture_proportions_and_per_source_epochs():
@@ -222,16 +246,18 @@ def test_same_global_batch_with_1_2_4_processes(tmp_path, tok_file, mixture):
     corpus = load_corpus(DataConfig(source=source, tokenizer=tok_file, cache_dir=str(tmp_path / "c")), VOCAB)
     one = rows_of(data.make_loader(corpus, 12, 8, seed=5), 20)
     for n in (2, 4):
-        parts = [rows_of(data.make_loader(corpus, 12, 8, seed=5, process_index=i, process_count=n), 20)
-                 for i in range(n)]
+        parts = [
+            rows_of(data.make_loader(corpus, 12, 8, seed=5, process_index=i, process_count=n), 20) for i in range(n)
+        ]
         assert parts[0][0]["tokens"].shape == (8 // n, 12)
         joined = [{k: np.concatenate([p[s][k] for p in parts]) for k in one[0]} for s in range(20)]
         assert_batches_equal(joined, one)
         ev = data.eval_sets(corpus, 12, 8, 2)[""]
         evp = [data.eval_sets(corpus, 12, 8, 2, process_index=i, process_count=n)[""] for i in range(n)]
         assert all(e.tokens == ev.tokens and e.bytes == ev.bytes for e in evp)
-        assert_batches_equal([{k: np.concatenate([e.batches[j][k] for e in evp]) for k in ev.batches[0]}
-                              for j in range(2)], ev.batches)
+        assert_batches_equal(
+            [{k: np.concatenate([e.batches[j][k] for e in evp]) for k in ev.batches[0]} for j in range(2)], ev.batches
+        )
 
 
 def test_a_mixture_evaluates_each_source_on_its_own(tmp_path, tok_file):
@@ -240,8 +266,15 @@ def test_a_mixture_evaluates_each_source_on_its_own(tmp_path, tok_file):
     is refused."""
     src, other = write_corpus(tmp_path, n_docs=50), write_corpus(tmp_path, n_docs=30, name="other")
     pretokenize.run([str(src / "*.txt")], str(tmp_path / "s"), tokenizer=tok_file, workers=1, progress=False)
-    corpus = load_corpus(DataConfig(source=f"p={tmp_path / 's'}@0.6,q={other / '*.txt'}@0.4", tokenizer=tok_file,
-                                    eval=f"extra={src / 'doc00*.txt'}", cache_dir=str(tmp_path / "c")), VOCAB)
+    corpus = load_corpus(
+        DataConfig(
+            source=f"p={tmp_path / 's'}@0.6,q={other / '*.txt'}@0.4",
+            tokenizer=tok_file,
+            eval=f"extra={src / 'doc00*.txt'}",
+            cache_dir=str(tmp_path / "c"),
+        ),
+        VOCAB,
+    )
     sets = data.eval_sets(corpus, 12, 8, 2)
     assert list(sets) == ["", "p", "q", "extra"]
     for s in corpus.sources:  # each source's own held-out rows, all of the batch
@@ -286,6 +319,7 @@ def test_eval_sets_bpb_equals_bits_over_text_bytes(tmp_path, tok_file):
 
 # ---------------------------------------------------------------- bad input: one line, naming the file and cause
 
+
 def test_bad_stores_and_mixtures_are_named(tmp_path, tok_file):
     src = write_corpus(tmp_path, n_docs=12)
     good = tmp_path / "store"
@@ -297,6 +331,7 @@ def test_bad_stores_and_mixtures_are_named(tmp_path, tok_file):
 
     def copy(name):
         import shutil
+
         shutil.copytree(good, tmp_path / name)
         return tmp_path / name
 
@@ -306,8 +341,11 @@ def test_bad_stores_and_mixtures_are_named(tmp_path, tok_file):
     with pytest.raises(DataError, match=r"store/manifest.json: tokenizer hash \w+ does not match the tokenizer"):
         load(str(good), tokenizer=str(other))
     # a vocabulary larger than the model's
-    with pytest.raises(DataError, match=r"store/manifest.json: the store's vocabulary has 320 tokens but the model's "
-                                        r"vocab_size is 300"):
+    with pytest.raises(
+        DataError,
+        match=r"store/manifest.json: the store's vocabulary has 320 tokens but the model's "
+        r"vocab_size is 300",
+    ):
         load(str(good), vocab=300)
     # a missing and a truncated shard
     missing = copy("missing")
@@ -329,15 +367,17 @@ def test_bad_stores_and_mixtures_are_named(tmp_path, tok_file):
         shard["max_id"] = 300 if i == 1 else 255
     (big / "manifest.json").write_text(json.dumps(m))
     os.remove(big / "tokenizer.json")  # ids without a tokenizer, as from a .npy
-    with pytest.raises(DataError, match=r"big/shards/00001.tokens: token ids out of range: the largest is 300 but "
-                                        r"vocab_size is 299"):
+    with pytest.raises(
+        DataError,
+        match=r"big/shards/00001.tokens: token ids out of range: the largest is 300 but "
+        r"vocab_size is 299",
+    ):
         load(str(big), vocab=299)
     # an empty source
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "a.jsonl").write_text("")
     with pytest.raises(DataError, match="hold no documents"):
-        pretokenize.run([str(tmp_path / "empty" / "a.jsonl")], str(tmp_path / "es"), tokenizer=tok_file,
-                        progress=False)
+        pretokenize.run([str(tmp_path / "empty" / "a.jsonl")], str(tmp_path / "es"), tokenizer=tok_file, progress=False)
     # mixture weights: negative, zero in total, an unknown name
     with pytest.raises(DataError, match=r"data.weights: source 'b' has weight -1.0"):
         DataConfig(source=f"a={good}@1,b={good}@-1")
@@ -348,24 +388,35 @@ def test_bad_stores_and_mixtures_are_named(tmp_path, tok_file):
     # a Parquet file without the named column
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     pq.write_table(pa.table({"body": ["x y z"]}), tmp_path / "t.parquet")
     with pytest.raises(DataError, match=r"t.parquet: no column 'text' \(columns: \['body'\]\)"):
         pretokenize.run([str(tmp_path / "t.parquet")], str(tmp_path / "pq"), tokenizer=tok_file, progress=False)
     with pytest.raises(DataError, match=r"t.parquet: no column 'text'"):
         load(str(tmp_path / "t.parquet"), tokenizer=tok_file)
     # a rerun into a store started with other inputs
-    assert pretokenize.run([str(src / "doc00*.txt")], str(tmp_path / "part"), tokenizer=tok_file, progress=False,
-                           shard="0/2") is None  # half of the shards: no manifest yet
+    assert (
+        pretokenize.run(
+            [str(src / "doc00*.txt")], str(tmp_path / "part"), tokenizer=tok_file, progress=False, shard="0/2"
+        )
+        is None
+    )  # half of the shards: no manifest yet
     with pytest.raises(DataError, match="part/plan.json: this store was started with other inputs"):
         pretokenize.run([str(src / "*.txt")], str(tmp_path / "part"), tokenizer=tok_file, progress=False)
 
 
 def test_every_data_field_rejects_a_bad_value():
-    for kw, name in ((dict(source=" "), "data.source"), (dict(eval="nonsense"), "data.eval"),
-                     (dict(text_field=""), "data.text_field"), (dict(tokenizer="tok.txt"), "data.tokenizer"),
-                     (dict(val_fraction=1.0), "data.val_fraction"), (dict(max_bytes=-1), "data.max_bytes"),
-                     (dict(cache_dir=__file__), "data.cache_dir"), (dict(seed=-1), "data.seed"),
-                     (dict(source="a=x,b=y", weights={"a": float("nan")}), "data.weights")):
+    for kw, name in (
+        (dict(source=" "), "data.source"),
+        (dict(eval="nonsense"), "data.eval"),
+        (dict(text_field=""), "data.text_field"),
+        (dict(tokenizer="tok.txt"), "data.tokenizer"),
+        (dict(val_fraction=1.0), "data.val_fraction"),
+        (dict(max_bytes=-1), "data.max_bytes"),
+        (dict(cache_dir=__file__), "data.cache_dir"),
+        (dict(seed=-1), "data.seed"),
+        (dict(source="a=x,b=y", weights={"a": float("nan")}), "data.weights"),
+    ):
         with pytest.raises(DataError, match=name):
             DataConfig(**kw)
 
@@ -374,10 +425,25 @@ def test_train_cli_names_a_bad_store_before_any_step(tmp_path, tok_file):
     src = write_corpus(tmp_path, n_docs=12)
     pretokenize.run([str(src / "*.txt")], str(tmp_path / "s"), tokenizer=tok_file, workers=1, progress=False)
     os.remove(tmp_path / "s" / "shards" / "00005.docs")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "variants", "dense", "train.py"), "--data.source",
-                        str(tmp_path / "s"), "--model.vocab_size", "512", "--run_dir", str(tmp_path / "run"),
-                        "--wandb", "disabled"], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                       env={**os.environ, "PYTHONPATH": ROOT})
+    r = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "variants", "dense", "train.py"),
+            "--data.source",
+            str(tmp_path / "s"),
+            "--model.vocab_size",
+            "512",
+            "--run_dir",
+            str(tmp_path / "run"),
+            "--wandb",
+            "disabled",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1] == f"error: {tmp_path}/s/shards/00005.docs: missing shard file"
     assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
@@ -385,6 +451,7 @@ def test_train_cli_names_a_bad_store_before_any_step(tmp_path, tok_file):
 
 def test_emitted_multi_host_jobs_run_one_shard_each(tmp_path, capsys):
     import yaml
+
     base = ["corpus/*.jsonl.zst", "--out", "gs://b/web", "--tokenizer", "tok.json", "--workers", "4", "--hosts", "8"]
     pretokenize.main([*base, "--emit", "slurm"])
     script = capsys.readouterr().out
@@ -403,6 +470,7 @@ def test_a_resaved_tokenizer_matches_its_store(tmp_path, tok_file):
     """A run saves its tokenizer with Tokenizer.save; resuming with that copy must match a store made with
     the original file, however that file was formatted."""
     from tokenizers import Tokenizer
+
     compact = tmp_path / "compact.json"
     compact.write_text(Tokenizer.from_file(tok_file).to_str())  # not pretty-printed: other bytes, same tokenizer
     src = write_corpus(tmp_path, n_docs=12)
@@ -417,13 +485,23 @@ def test_train_resumes_a_mixture_bit_exactly_and_logs_named_eval_sets(small_corp
     """train.main on a mixture of a store and a text source with a named eval set: stopped at step 2 and
     resumed equals a straight run (losses, weights, loader state), and eval/<name>/loss and bpb are logged."""
     from tokenizers import Tokenizer
+
     tok = tmp_path / "tok512.json"
     Tokenizer.from_file(tok_file).save(str(tok))  # 320 tokens: fits the tiny model's vocab_size 512
     src = write_corpus(tmp_path, n_docs=30)
     pretokenize.run([str(src / "*.txt")], str(tmp_path / "s"), tokenizer=str(tok), workers=1, progress=False)
-    cfg = dict(data=DataConfig(source=f"s={tmp_path / 's'}@0.25,py={small_corpus}@0.75", tokenizer=str(tok),
-                               eval=f"held={src / 'doc00*.txt'}", val_fraction=0.1),
-               steps=4, save_every=0, eval_every=2, eval_batches=1)
+    cfg = dict(
+        data=DataConfig(
+            source=f"s={tmp_path / 's'}@0.25,py={small_corpus}@0.75",
+            tokenizer=str(tok),
+            eval=f"held={src / 'doc00*.txt'}",
+            val_fraction=0.1,
+        ),
+        steps=4,
+        save_every=0,
+        eval_every=2,
+        eval_batches=1,
+    )
     straight = tiny_dense.train.main(tiny_dense.config(tmp_path / "a", **cfg))
     tiny_dense.train.main(tiny_dense.config(tmp_path / "b", stop_at=2, **cfg))
     resumed = tiny_dense.train.main(tiny_dense.config(tmp_path / "b", resume=True, **cfg))
@@ -436,5 +514,6 @@ def test_train_resumes_a_mixture_bit_exactly_and_logs_named_eval_sets(small_corp
     assert {"eval/s/loss", "eval/s/bpb", "eval/py/loss", "eval/py/bpb"} <= set(last)  # each source, by default
     assert 0 < last["eval/held/bpb"] < 20 and 0 < last["eval/s/bpb"] < 20 and 0 < last["eval/py/bpb"] < 20
     from shared import checkpoint
+
     meta = checkpoint.read_metadata(checkpoint.latest(str(tmp_path / "b" / "checkpoints")))
     assert meta["loader"]["weights"] == {"s": 0.25, "py": 0.75} and meta["loader"]["step"] == 4

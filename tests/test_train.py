@@ -43,16 +43,34 @@ def test_fresh_run_refuses_to_overwrite_checkpoints(tiny_dense, tmp_path):
     with pytest.raises(run.TrainingError, match="--resume"):
         train.main(tiny_dense.config(tmp_path, steps=2, save_every=0))
     with pytest.raises(run.TrainingError, match="model config differs"):
-        train.main(tiny_dense.config(tmp_path, steps=4, save_every=0, resume=True,
-                         model=model.ModelConfig(vocab_size=512, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2,
-                                                 head_dim=16, d_ff=128)))
+        train.main(
+            tiny_dense.config(
+                tmp_path,
+                steps=4,
+                save_every=0,
+                resume=True,
+                model=model.ModelConfig(
+                    vocab_size=512, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128
+                ),
+            )
+        )
     # another optimizer, or the weight average turned on: a clear refusal, not a leaf mismatch
-    with pytest.raises(run.TrainingError, match=r"holds the state of --optimizer adamw, and this run asks for "
-                                                  r"--optimizer muon.*resume with --optimizer adamw"):
+    with pytest.raises(
+        run.TrainingError,
+        match=r"holds the state of --optimizer adamw, and this run asks for "
+        r"--optimizer muon.*resume with --optimizer adamw",
+    ):
         train.main(tiny_dense.config(tmp_path, steps=4, save_every=0, resume=True, optimizer="muon"))
     with pytest.raises(run.TrainingError, match=r"saved with --optim.ema 0.0 and this run asks for --optim.ema 0.9"):
-        train.main(tiny_dense.config(tmp_path, steps=4, save_every=0, resume=True,
-                         optim=dataclasses.replace(train.TrainConfig().optim, ema=0.9)))
+        train.main(
+            tiny_dense.config(
+                tmp_path,
+                steps=4,
+                save_every=0,
+                resume=True,
+                optim=dataclasses.replace(train.TrainConfig().optim, ema=0.9),
+            )
+        )
 
 
 def _batch(cfg, mesh, accum):
@@ -135,21 +153,26 @@ def test_run_json_records_the_kernels_the_step_used(tiny_dense, tmp_path, capsys
         assert not {"peak", "kernels"} & set(json.load(f)), "config.json holds the settings only (a --config_path)"
     peak, src = flops.device_peak()
     assert recorded["peak"] == {"per_device": peak, "source": src} and "fp32 matmul measured at start" in src
-    assert [line for line in out.splitlines() if "GFLOP/s" in line] == \
-        [f"MFU is against {peak / 1e9:,.1f} GFLOP/s per device: {src}"]  # once, not on every step's line
+    assert [line for line in out.splitlines() if "GFLOP/s" in line] == [
+        f"MFU is against {peak / 1e9:,.1f} GFLOP/s per device: {src}"
+    ]  # once, not on every step's line
     used = recorded["kernels"]
     assert {"attention", "cross_entropy", "rms_norm"} <= set(used), used
     assert "q(8, 32, 4, 16) window=None" in used["attention"]["reference"], used  # CPU: the reference
 
 
 def test_missing_or_empty_data_path(tmp_path):
-    cfg = train.TrainConfig(data=data.DataConfig(source=str(tmp_path / "nowhere" / "*.jsonl")),
-                            run_dir=str(tmp_path / "run"), wandb="disabled")
+    cfg = train.TrainConfig(
+        data=data.DataConfig(source=str(tmp_path / "nowhere" / "*.jsonl")),
+        run_dir=str(tmp_path / "run"),
+        wandb="disabled",
+    )
     with pytest.raises(data.DataError, match="nowhere"):
         train.main(cfg)
     (tmp_path / "empty.txt").write_text("")
-    cfg = train.TrainConfig(data=data.DataConfig(source=str(tmp_path / "empty.txt")),
-                            run_dir=str(tmp_path / "run2"), wandb="disabled")
+    cfg = train.TrainConfig(
+        data=data.DataConfig(source=str(tmp_path / "empty.txt")), run_dir=str(tmp_path / "run2"), wandb="disabled"
+    )
     with pytest.raises(data.DataError, match="empty"):
         train.main(cfg)
 
@@ -189,8 +212,10 @@ def test_branching_back_moves_the_abandoned_future_aside(tiny_dense, tmp_path, c
     assert f"moved aside to {tmp_path / aside}" in capsys.readouterr().out
     assert sorted(os.listdir(tmp_path / aside / "checkpoints")) == ["step_00000004"]
     assert checkpoint.read_metadata(str(tmp_path / aside / "checkpoints" / "step_00000004"))["step"] == 4
-    assert [os.path.basename(c) for c in checkpoint.all_checkpoints(str(tmp_path / "checkpoints"))] == \
-        ["step_00000002", "step_00000003"]
+    assert [os.path.basename(c) for c in checkpoint.all_checkpoints(str(tmp_path / "checkpoints"))] == [
+        "step_00000002",
+        "step_00000003",
+    ]
     moved = [json.loads(line) for line in (tmp_path / aside / "metrics.jsonl").read_text().splitlines()]
     assert moved == [r for r in old_rows if r["step"] > 2]  # the abandoned branch's rows, as they were
     # --resume continues the branch (from 3, not the abandoned 4); metrics.jsonl holds one history
@@ -198,8 +223,10 @@ def test_branching_back_moves_the_abandoned_future_aside(tiny_dense, tmp_path, c
     assert sorted(resumed["losses"]) == [4, 5, 6]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
-    assert rows[:2] == old_rows[:2] and {r["step"]: r["train/loss"] for r in rows[2:]} == \
-        {**branch["losses"], **resumed["losses"]}
+    assert rows[:2] == old_rows[:2] and {r["step"]: r["train/loss"] for r in rows[2:]} == {
+        **branch["losses"],
+        **resumed["losses"],
+    }
 
 
 def test_extending_a_run_says_how_its_schedule_changes(tiny_dense, tmp_path, capsys):
@@ -215,8 +242,10 @@ def test_extending_a_run_says_how_its_schedule_changes(tiny_dense, tmp_path, cap
     with run.Run(resume, train.HERE, train.make_mesh(resume)) as r:  # the resume up to its first step (no compile)
         r.begin(1, 1.0, new)
     out = capsys.readouterr().out
-    assert (f"warning: the learning-rate schedule changed at the resumed step 6: step 7 was to run at lr "
-            f"{float(old(6)):.3g} and runs at {float(new(6)):.3g} (--steps 6 -> 8). The schedule spans --steps") in out
+    assert (
+        f"warning: the learning-rate schedule changed at the resumed step 6: step 7 was to run at lr "
+        f"{float(old(6)):.3g} and runs at {float(new(6)):.3g} (--steps 6 -> 8). The schedule spans --steps"
+    ) in out
     assert "--optim.schedule_steps 6" in out and float(new(6)) != pytest.approx(float(old(6)))
     # the saved schedule kept: the same lr at every step of the first 6, its final value after them
     keep = tiny_dense.config(tmp_path, steps=8, optim=dataclasses.replace(six.optim, schedule_steps=6))
@@ -234,10 +263,12 @@ def test_extending_a_run_says_how_its_schedule_changes(tiny_dense, tmp_path, cap
 def poison(monkeypatch, at: int, metrics: tuple = ()):
     """From now on train.make_train_step's step number `at` returns NaN parameters (and NaN for each
     of `metrics`), as a diverging update would."""
+
     def nan(n, state, m):
         if n == at:
             state = jax.tree.map(lambda x: x * jnp.nan if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
             return state, {**m, **{k: m[k] * jnp.nan for k in metrics}}
+
     wrap_step(monkeypatch, train, nan)
 
 
@@ -262,9 +293,28 @@ def run_cli(*args, **kw):
 
 @pytest.mark.integration  # a subprocess: the command as a user runs it
 def test_cli_trains_samples_and_reports_bad_flags(small_corpus, tmp_path):
-    r = run_cli("--data.source", small_corpus, "--model.vocab_size", "512", "--seq_len", "32", "--batch_size", "8",
-                "--steps", "4", "--log_every", "2", "--eval_every", "3",  # the default warmup fits 4 steps
-                "--run_dir", str(tmp_path / "run"), "--wandb", "disabled", "--sample_tokens", "8")
+    r = run_cli(
+        "--data.source",
+        small_corpus,
+        "--model.vocab_size",
+        "512",
+        "--seq_len",
+        "32",
+        "--batch_size",
+        "8",
+        "--steps",
+        "4",
+        "--log_every",
+        "2",
+        "--eval_every",
+        "3",  # the default warmup fits 4 steps
+        "--run_dir",
+        str(tmp_path / "run"),
+        "--wandb",
+        "disabled",
+        "--sample_tokens",
+        "8",
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "step      4" in r.stdout + r.stderr and "--- sample after 4 steps ---" in r.stdout
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -290,8 +340,11 @@ def test_a_bad_update_with_a_finite_loss_is_never_saved(tiny_dense, tmp_path, mo
     """The loss of step N comes before step N's update: a step whose update is bad (a non-finite
     gradient norm; or weights gone non-finite with finite metrics) is never saved as good."""
     poison(monkeypatch, 6, ("optim/grad_norm",) if poison_ == "grad_norm" else ())  # step 6, a save step
-    error = (run.TrainingError, r"loss [0-9.]+, grad_norm nan at step 6.*step_00000003") if poison_ == "grad_norm" \
+    error = (
+        (run.TrainingError, r"loss [0-9.]+, grad_norm nan at step 6.*step_00000003")
+        if poison_ == "grad_norm"
         else (checkpoint.CheckpointError, r"not saving step 6: non-finite values.*step_00000003")
+    )
     with pytest.raises(error[0], match=error[1]):
         train.main(tiny_dense.config(tmp_path, steps=8, save_every=3))
     assert [os.path.basename(c) for c in checkpoint.all_checkpoints(str(tmp_path / "checkpoints"))] == ["step_00000003"]

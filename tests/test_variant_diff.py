@@ -44,15 +44,21 @@ def repo(tmp_path):
 
     Each COPIED_FROM line differs from its parent's too: one more line removed and added."""
     a_model = edit(BASE_MODEL, 30, "a")
-    write(tmp_path, {
-        "templates/base/model.py": model(None), "templates/base/train.py": BASE_TRAIN,
-        "templates/base/presets/small.yaml": PRESET,
-        "variants/a/model.py": model("templates/base", a_model), "variants/a/train.py": BASE_TRAIN,
-        "variants/a/presets/small.yaml": PRESET,
-        "variants/b/model.py": model("variants/a", a_model + "def extra(x):\n    return x\n"),
-        "variants/b/train.py": BASE_TRAIN, "variants/b/presets/small.yaml": PRESET,
-        "variants/b/__pycache__/model.cpython-311.pyc": "ignored",
-    })
+    write(
+        tmp_path,
+        {
+            "templates/base/model.py": model(None),
+            "templates/base/train.py": BASE_TRAIN,
+            "templates/base/presets/small.yaml": PRESET,
+            "variants/a/model.py": model("templates/base", a_model),
+            "variants/a/train.py": BASE_TRAIN,
+            "variants/a/presets/small.yaml": PRESET,
+            "variants/b/model.py": model("variants/a", a_model + "def extra(x):\n    return x\n"),
+            "variants/b/train.py": BASE_TRAIN,
+            "variants/b/presets/small.yaml": PRESET,
+            "variants/b/__pycache__/model.cpython-311.pyc": "ignored",
+        },
+    )
     return tmp_path
 
 
@@ -92,13 +98,18 @@ def test_picks_nearest_sibling_and_skips_descendants(repo):
 
 
 def test_added_removed_and_renamed_files(repo):
-    write(repo, {
-        "variants/a/bench_a.py": "".join(f"print({i})\n" for i in range(10)),
-        "variants/c/model.py": (repo / "variants/a/model.py").read_text().replace("'templates/base'", "'variants/a'"),
-        "variants/c/train.py": BASE_TRAIN.replace("STEP_3 = 3", "STEP_3 = 33"),
-        "variants/c/presets/tiny.yaml": PRESET.replace("key_3: 3", "key_3: 33"),  # small.yaml, renamed and edited
-        "variants/c/NOTES.md": "why this variant exists\n```\ncode\n```\n",
-    })  # bench_a.py removed
+    write(
+        repo,
+        {
+            "variants/a/bench_a.py": "".join(f"print({i})\n" for i in range(10)),
+            "variants/c/model.py": (repo / "variants/a/model.py")
+            .read_text()
+            .replace("'templates/base'", "'variants/a'"),
+            "variants/c/train.py": BASE_TRAIN.replace("STEP_3 = 3", "STEP_3 = 33"),
+            "variants/c/presets/tiny.yaml": PRESET.replace("key_3: 3", "key_3: 33"),  # small.yaml, renamed and edited
+            "variants/c/NOTES.md": "why this variant exists\n```\ncode\n```\n",
+        },
+    )  # bench_a.py removed
     r = vd.Repo(str(repo))
     entries = {e.path: e for e in vd.compare(r.files("variants/a"), r.files("variants/c"))}
     assert entries["presets/tiny.yaml"].status == "renamed" and entries["presets/tiny.yaml"].old == "presets/small.yaml"
@@ -109,8 +120,13 @@ def test_added_removed_and_renamed_files(repo):
     assert (entries["model.py"].status, entries["model.py"].added) == ("modified", 1)  # the COPIED_FROM line
     assert r.distance("variants/c", "variants/a") == 2 + 2  # code only: model.py and train.py
     assert r.distance("variants/c", "variants/a", code=False) == 2 + 4 + 10
-    assert [vd.kind_of(p) for p in ("model.py", "train.py", "NOTES.md", "presets/tiny.yaml", "bench_a.py")] == \
-        ["code", "code", "docs", "presets", "other"]
+    assert [vd.kind_of(p) for p in ("model.py", "train.py", "NOTES.md", "presets/tiny.yaml", "bench_a.py")] == [
+        "code",
+        "code",
+        "docs",
+        "presets",
+        "other",
+    ]
 
     out_dir = repo / "report"
     rc, out, _ = run(repo, "variants/c", "--out", str(out_dir))
@@ -121,13 +137,19 @@ def test_added_removed_and_renamed_files(repo):
     assert "| `bench_a.py` | other | removed | -10 |" in md and "| `NOTES.md` | docs | added | +4 |" in md
     assert "| `train.py` | code | modified | +1 -1 |" in md
     assert "- code (model.py, train.py, hf.py): 2 of 2 files, +2 -2 lines" in md
-    assert "other files (docs, presets, benchmarks, ...; not used for the lineage): 3 of 3 files, +5 -11 lines " \
-           "(docs +4 -0, presets +1 -1, other +0 -10)" in md
+    assert (
+        "other files (docs, presets, benchmarks, ...; not used for the lineage): 3 of 3 files, +5 -11 lines "
+        "(docs +4 -0, presets +1 -1, other +0 -10)" in md
+    )
     assert "````diff" in md, "a diff holding ``` needs a longer fence"
     assert "--- variants/a/train.py\n+++ variants/c/train.py" in md
     # the code's diff first, in its own block; docs, presets and benchmarks in another
-    assert md.index("Unified diff of the code") < md.index("+STEP_3 = 33") < \
-        md.index("Unified diff of the other files") < min(md.index("+key_3: 33"), md.index("+why this variant exists"))
+    assert (
+        md.index("Unified diff of the code")
+        < md.index("+STEP_3 = 33")
+        < md.index("Unified diff of the other files")
+        < min(md.index("+key_3: 33"), md.index("+why this variant exists"))
+    )
     page = (out_dir / "variants__c.html").read_text()
     assert page.startswith("<!DOCTYPE html>") and "presets/small.yaml → presets/tiny.yaml" in page
     assert "<script" not in page and page.index("Code (model.py, train.py, hf.py)") < page.index("Other files")
@@ -141,8 +163,7 @@ def test_output_is_deterministic(repo, tmp_path_factory):
         d = tmp_path_factory.mktemp(f"out{i}")
         rc, out, err = run(repo, "--table", "variants/c", "variants/a", "--out", str(d))
         assert rc == 0
-        outs.append((out.replace(str(d), "OUT"), err,
-                     {p: (d / p).read_bytes() for p in sorted(os.listdir(d))}))
+        outs.append((out.replace(str(d), "OUT"), err, {p: (d / p).read_bytes() for p in sorted(os.listdir(d))}))
     assert outs[0] == outs[1]
     assert sorted(outs[0][2]) == ["report.md", "variants__a.html", "variants__c.html"]
 
@@ -151,10 +172,17 @@ def test_parent_mismatch_and_missing_parent(repo):
     # d is b plus one line, but declares templates/base: the nearest is b, far nearer than the base
     b_model = (repo / "variants/b/model.py").read_text().replace("'variants/a'", "'templates/base'")
     b_train = BASE_TRAIN + "ONLY_IN_B = 1\n"
-    write(repo, {"variants/b/train.py": b_train,
-                 "variants/d/model.py": b_model + "# d\n", "variants/d/train.py": b_train,
-                 "variants/d/presets/small.yaml": PRESET,
-                 "variants/e/model.py": model("variants/gone"), "variants/e/train.py": BASE_TRAIN})
+    write(
+        repo,
+        {
+            "variants/b/train.py": b_train,
+            "variants/d/model.py": b_model + "# d\n",
+            "variants/d/train.py": b_train,
+            "variants/d/presets/small.yaml": PRESET,
+            "variants/e/model.py": model("variants/gone"),
+            "variants/e/train.py": BASE_TRAIN,
+        },
+    )
     rc, out, err = run(repo, "variants/d", "variants/e")
     assert rc == 0, "warnings alone do not fail without --strict"
     assert "declared parent templates/base is" in out and 'set COPIED_FROM = "variants/b"' in out
@@ -170,8 +198,23 @@ def test_parent_mismatch_and_missing_parent(repo):
 
 
 def git(root, *args):
-    return subprocess.run(["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@example.com",
-                           "-c", "commit.gpgsign=false", *args], check=True, capture_output=True, text=True)
+    return subprocess.run(
+        [
+            "git",
+            "-C",
+            str(root),
+            "-c",
+            "user.name=t",
+            "-c",
+            "user.email=t@example.com",
+            "-c",
+            "commit.gpgsign=false",
+            *args,
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
@@ -184,11 +227,17 @@ def test_since_reports_only_changed_variants(repo):
     rc, out, _ = run(repo, "--since", "HEAD")
     assert rc == 0 and "since `HEAD`: 0 (nothing to compare)" in out
 
-    write(repo, {"variants/b/presets/small.yaml": PRESET + "new: 1\n",             # tracked change
-                 "variants/c/model.py": model("variants/b", BASE_MODEL),         # untracked variant
-                 "variants/c/train.py": BASE_TRAIN,
-                 "variants/a/__pycache__/x.pyc": "not a change", "README.md": "not a variant\n",
-                 "variants/half/notes.txt": "no model.py yet\n"})
+    write(
+        repo,
+        {
+            "variants/b/presets/small.yaml": PRESET + "new: 1\n",  # tracked change
+            "variants/c/model.py": model("variants/b", BASE_MODEL),  # untracked variant
+            "variants/c/train.py": BASE_TRAIN,
+            "variants/a/__pycache__/x.pyc": "not a change",
+            "README.md": "not a variant\n",
+            "variants/half/notes.txt": "no model.py yet\n",
+        },
+    )
     rc, out, _ = run(repo, "--since", "HEAD")
     assert rc == 0 and "since `HEAD`: 2" in out
     assert "`variants/half` changed but holds no model.py" in out
@@ -210,21 +259,29 @@ def test_cli_help_and_real_repository_table():
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
     h = subprocess.run([sys.executable, TOOL, "--help"], capture_output=True, text=True, env=env, timeout=60)
     assert h.returncode == 0 and "--since REV" in h.stdout and "--table" in h.stdout
-    assert "(model.py,\ntrain.py and hf.py; a deleted hf.py counts as one decision)" in h.stdout and "within margin" in h.stdout and "--runs RUN" in h.stdout
+    assert (
+        "(model.py,\ntrain.py and hf.py; a deleted hf.py counts as one decision)" in h.stdout
+        and "within margin" in h.stdout
+        and "--runs RUN" in h.stdout
+    )
     t = subprocess.run([sys.executable, TOOL, "--table"], capture_output=True, text=True, env=env, timeout=60)
     assert t.returncode == 0, t.stderr
     assert "| templates/base " in t.stdout and "| variants/dense " in t.stdout
     none = subprocess.run([sys.executable, TOOL], capture_output=True, text=True, env=env, timeout=60)
     assert none.returncode == 2 and "--since REV or --table" in none.stderr
-    out_only = subprocess.run([sys.executable, TOOL, "--table", "--out", "/nonexistent"], capture_output=True,
-                              text=True, env=env, timeout=60)
+    out_only = subprocess.run(
+        [sys.executable, TOOL, "--table", "--out", "/nonexistent"], capture_output=True, text=True, env=env, timeout=60
+    )
     assert out_only.returncode == 2 and "--out writes the report" in out_only.stderr
 
 
 def table(out):
     """{variant: [declared parent, nearest by code, code distance, code to parent, other files to parent, check]}."""
-    return {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[2:-1]]
-            for ln in out.splitlines() if ln.startswith("| templates/") or ln.startswith("| variants/")}
+    return {
+        ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[2:-1]]
+        for ln in out.splitlines()
+        if ln.startswith("| templates/") or ln.startswith("| variants/")
+    }
 
 
 def test_real_repository_lineage_follows_the_code():
@@ -250,23 +307,32 @@ def churn(tmp_path):
     x's code is p's plus two lines, but its README and preset are the base's: over every file,
     templates/base is the nearer folder; over the code, p is."""
     p_model = edit(BASE_MODEL, 30, "p")
-    write(tmp_path, {
-        "templates/base/model.py": model(None), "templates/base/train.py": BASE_TRAIN,
-        "templates/base/README.md": README_BASE, "templates/base/presets/small.yaml": PRESET,
-        "variants/p/model.py": model("templates/base", p_model), "variants/p/train.py": BASE_TRAIN,
-        "variants/p/README.md": README_P, "variants/p/presets/small.yaml": PRESET_P,
-        "variants/x/model.py": model("variants/p", p_model + "def extra(x):\n    return x\n"),
-        "variants/x/train.py": BASE_TRAIN, "variants/x/README.md": README_BASE,
-        "variants/x/presets/small.yaml": PRESET,
-    })
+    write(
+        tmp_path,
+        {
+            "templates/base/model.py": model(None),
+            "templates/base/train.py": BASE_TRAIN,
+            "templates/base/README.md": README_BASE,
+            "templates/base/presets/small.yaml": PRESET,
+            "variants/p/model.py": model("templates/base", p_model),
+            "variants/p/train.py": BASE_TRAIN,
+            "variants/p/README.md": README_P,
+            "variants/p/presets/small.yaml": PRESET_P,
+            "variants/x/model.py": model("variants/p", p_model + "def extra(x):\n    return x\n"),
+            "variants/x/train.py": BASE_TRAIN,
+            "variants/x/README.md": README_BASE,
+            "variants/x/presets/small.yaml": PRESET,
+        },
+    )
     return tmp_path
 
 
 def test_code_distance_ignores_docs_and_presets_churn(churn):
     r = vd.Repo(str(churn))
     everything = lambda a, b: vd.total(vd.compare(r.files(a), r.files(b)))  # noqa: E731  (the old measure)
-    assert everything("variants/x", "templates/base") < everything("variants/x", "variants/p"), \
+    assert everything("variants/x", "templates/base") < everything("variants/x", "variants/p"), (
         "the fixture must be one where README and preset churn picks the wrong folder"
+    )
     assert r.nearest("variants/x") == ("variants/p", 2 + 2)  # two added lines, COPIED_FROM changed
     assert r.distance("variants/x", "templates/base") == 60 + 2 + 2  # 30 lines edited, COPIED_FROM, extra
     assert r.distance("variants/x", "variants/p", code=False) == 160 + 24  # reported, never used for the lineage
@@ -275,8 +341,10 @@ def test_code_distance_ignores_docs_and_presets_churn(churn):
     assert table(out)["variants/x"] == ["variants/p", "variants/p", "4 (2.2%)", "4", "184", "ok"]
     rc, out, err = run(churn, "variants/x")
     assert rc == 0 and not err and "- check: ok" in out
-    assert "other files (docs, presets, benchmarks, ...; not used for the lineage): 2 of 2 files, +92 -92 lines " \
-           "(docs +80 -80, presets +12 -12)" in out
+    assert (
+        "other files (docs, presets, benchmarks, ...; not used for the lineage): 2 of 2 files, +92 -92 lines "
+        "(docs +80 -80, presets +12 -12)" in out
+    )
 
 
 HF = "".join(f"MAP_{i} = 'layers.{i}'\n" for i in range(40))  # a Hugging Face mapping of 40 lines
@@ -285,9 +353,15 @@ HF = "".join(f"MAP_{i} = 'layers.{i}'\n" for i in range(40))  # a Hugging Face m
 def test_hf_py_is_code_written_counts_deleted_does_not(repo):
     # a has an hf.py (written: 40 lines of code more than the base), b copied it and edited 3 lines,
     # c copied a and deleted it (no export: one decision, not 40 changed lines)
-    write(repo, {"variants/a/hf.py": HF, "variants/b/hf.py": edit(HF, 3, "b"),
-                 "variants/c/model.py": model("variants/a", edit(BASE_MODEL, 30, "a")),
-                 "variants/c/train.py": BASE_TRAIN})
+    write(
+        repo,
+        {
+            "variants/a/hf.py": HF,
+            "variants/b/hf.py": edit(HF, 3, "b"),
+            "variants/c/model.py": model("variants/a", edit(BASE_MODEL, 30, "a")),
+            "variants/c/train.py": BASE_TRAIN,
+        },
+    )
     r = vd.Repo(str(repo))
     assert vd.kind_of("hf.py") == "code"
     assert r.distance("variants/a", "templates/base") == 60 + 2 + 40
@@ -326,15 +400,27 @@ def test_warns_when_the_declared_parent_is_far_in_code(churn):
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_since_lists_the_tests_and_readme_changed_with_the_variant(repo):
-    write(repo, {"README.md": "# Project\n\n- variants/a: the first idea\n", "shared/util.py": "X = 1\n",
-                 "tests/test_a.py": "def test_a():\n    pass\n"})
+    write(
+        repo,
+        {
+            "README.md": "# Project\n\n- variants/a: the first idea\n",
+            "shared/util.py": "X = 1\n",
+            "tests/test_a.py": "def test_a():\n    pass\n",
+        },
+    )
     git(repo, "init", "-q")
     git(repo, "add", "-A")
     git(repo, "commit", "-q", "-m", "one")
     tests_c = "".join(f"def test_c_{i}():\n    assert {i} == {i}\n\n" for i in range(10))
-    write(repo, {"variants/c/model.py": model("variants/b", BASE_MODEL), "variants/c/train.py": BASE_TRAIN,
-                 "tests/test_c.py": tests_c,
-                 "README.md": "# Project\n\n- variants/a: the first idea\n- variants/c: the second idea\n"})
+    write(
+        repo,
+        {
+            "variants/c/model.py": model("variants/b", BASE_MODEL),
+            "variants/c/train.py": BASE_TRAIN,
+            "tests/test_c.py": tests_c,
+            "README.md": "# Project\n\n- variants/a: the first idea\n- variants/c: the second idea\n",
+        },
+    )
     git(repo, "add", "-A")
     git(repo, "commit", "-q", "-m", "two: variants/c, its tests, a README line")
     write(repo, {"shared/util.py": "X = 2\n"})  # uncommitted: the working tree counts
@@ -342,11 +428,14 @@ def test_since_lists_the_tests_and_readme_changed_with_the_variant(repo):
     rc, out, err = run(repo, "--since", "HEAD~1", "--out", str(out_dir))
     assert rc == 0, err
     md = (out_dir / "report.md").read_text()
-    sec = md[md.index("### Other files changed with it"):]
+    sec = md[md.index("### Other files changed with it") :]
     assert "changed since `HEAD~1` (the working tree; untracked files count): 3," in sec
     rows = [ln for ln in sec.splitlines() if ln.startswith("| `")]
-    assert rows == ["| `tests/test_c.py` | added | +30 |", "| `README.md` | modified | +1 |",
-                    "| `shared/util.py` | modified | +1 -1 |"], "the variant's own tests first, then by path"
+    assert rows == [
+        "| `tests/test_c.py` | added | +30 |",
+        "| `README.md` | modified | +1 |",
+        "| `shared/util.py` | modified | +1 -1 |",
+    ], "the variant's own tests first, then by path"
     assert "+++ b/tests/test_c.py" in sec and "+def test_c_9():" in sec
     assert "--- a/README.md\n+++ b/README.md" in sec and "+- variants/c: the second idea" in sec
     assert "-X = 1\n+X = 2" in sec and "test_a.py" not in sec and "variants/c/model.py" not in sec
@@ -375,10 +464,10 @@ def test_own_tests_of_a_single_folder(repo):
     assert rc == 0
     assert "- own tests: `tests/test_a.py` (20 lines)" in out and "- own tests: none (no `tests/test_b.py`)" in out
     md = (out_dir / "report.md").read_text()
-    a = md[md.index("### `variants/a`"):md.index("### `variants/b`")]
+    a = md[md.index("### `variants/a`") : md.index("### `variants/b`")]
     assert "#### The variant's own tests" in a and "<code>tests/test_a.py</code> in full (20 lines)" in a
     assert "def test_2():" in a and "def test_3():" not in a and "… 14 more lines" in a
-    assert "The variant's own tests" not in md[md.index("### `variants/b`"):]
+    assert "The variant's own tests" not in md[md.index("### `variants/b`") :]
     page = (out_dir / "variants__a.html").read_text()
     assert "The variant's own tests" in page and "def test_9():" in page
 
@@ -407,8 +496,9 @@ def test_runs_link_the_loss_curves(repo, tmp_path, monkeypatch):
     fake.write_text(FAKE_COMPARE_RUNS)
     monkeypatch.setattr(vd, "COMPARE_RUNS", str(fake))
     out_dir = tmp_path / "report"
-    rc, out, err = run(repo, "variants/b", "--out", str(out_dir),
-                       "--runs", str(tmp_path / "run_a"), str(tmp_path / "run_b"))
+    rc, out, err = run(
+        repo, "variants/b", "--out", str(out_dir), "--runs", str(tmp_path / "run_a"), str(tmp_path / "run_b")
+    )
     assert rc == 0, err
     md = (out_dir / "report.md").read_text()
     assert "### Loss curves" in md and "![loss curves](loss.png)" in md
@@ -420,22 +510,26 @@ def test_runs_link_the_loss_curves(repo, tmp_path, monkeypatch):
     fake.write_text("raise SystemExit('compare_runs must not be imported')\n")
     monkeypatch.setattr(vd, "COMPARE_RUNS", str(fake))
     assert run(repo, "variants/b", "--out", str(out_dir))[0] == 0
-    code = (f"import sys; sys.argv = [{TOOL!r}, '--table', '--root', {str(repo)!r}]; import runpy\n"
-            f"try:\n    runpy.run_path({TOOL!r}, run_name='__main__')\nexcept SystemExit as e:\n    assert e.code == 0\n"
-            "assert not [m for m in sys.modules if 'compare_runs' in m or m.startswith('matplotlib')], sys.modules\n")
+    code = (
+        f"import sys; sys.argv = [{TOOL!r}, '--table', '--root', {str(repo)!r}]; import runpy\n"
+        f"try:\n    runpy.run_path({TOOL!r}, run_name='__main__')\nexcept SystemExit as e:\n    assert e.code == 0\n"
+        "assert not [m for m in sys.modules if 'compare_runs' in m or m.startswith('matplotlib')], sys.modules\n"
+    )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
 
 
-@pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, "tools", "compare_runs.py")),
-                    reason="tools/compare_runs.py is not there yet")
+@pytest.mark.skipif(
+    not os.path.exists(os.path.join(ROOT, "tools", "compare_runs.py")), reason="tools/compare_runs.py is not there yet"
+)
 def test_runs_with_the_real_compare_runs(repo, tmp_path):
     runs = []
     for name, scale in (("parent_run", 1.0), ("variant_run", 0.9)):
         d = tmp_path / name
         d.mkdir()
         (d / "metrics.jsonl").write_text(
-            "".join(f'{{"step": {s}, "loss": {scale * (5 - s / 10)}}}\n' for s in range(1, 11)))
+            "".join(f'{{"step": {s}, "loss": {scale * (5 - s / 10)}}}\n' for s in range(1, 11))
+        )
         (d / "config.json").write_text('{"batch_size": 2, "seq_len": 8}\n')
         runs.append(str(d))
     out_dir = tmp_path / "report"
@@ -451,6 +545,9 @@ def test_runs_with_the_real_compare_runs(repo, tmp_path):
 def test_own_tests_in_the_folder_travel_with_it(repo):
     """A variant's tests in its own folder (variants/<name>/test_<name>.py, as `cp -r` carries them) are its
     own tests; they win over tests/test_<name>.py."""
-    write(repo, {"variants/b/test_b.py": "def test_b():\n    assert True\n", "tests/test_b.py": "def test_old():\n    pass\n"})
+    write(
+        repo,
+        {"variants/b/test_b.py": "def test_b():\n    assert True\n", "tests/test_b.py": "def test_old():\n    pass\n"},
+    )
     rc, out, _ = run(repo, "variants/b")
     assert rc == 0 and "- own tests: `variants/b/test_b.py` (2 lines)" in out, out

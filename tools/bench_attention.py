@@ -87,15 +87,21 @@ def spread(xs, scale=1.0, fmt="{:.2f}"):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python tools/bench_attention.py", description=__doc__.split("\n\n")[0],
-                                 epilog=__doc__.split("\n\n", 1)[1],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python tools/bench_attention.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--shape", required=True, help="B,T,H,Hkv,D, e.g. 8,512,4,2,32")
     ap.add_argument("--window", type=int, default=None, help="sliding window W (t - s < W); default none")
     ap.add_argument("--softcap", type=float, default=0.0, help="logit soft-capping c (default 0 = off)")
     ap.add_argument("--segments", type=int, default=4, help="documents packed per row (default 4; 0 = no segment ids)")
-    ap.add_argument("--backends", default="blocked,reference",
-                    help="comma-separated; the last is the baseline of the ratios (default blocked,reference)")
+    ap.add_argument(
+        "--backends",
+        default="blocked,reference",
+        help="comma-separated; the last is the baseline of the ratios (default blocked,reference)",
+    )
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
     ap.add_argument("--calls", type=int, default=3, help="calls timed per backend, program and round (default 3)")
@@ -119,8 +125,9 @@ def main(argv=None) -> int:
 
     rng = np.random.default_rng(a.seed)
     dt = jnp.dtype(a.dtype)
-    q, k, v, ct = (jnp.asarray(rng.standard_normal(s), dt) for s in ((B, T, H, D), (B, T, Hkv, D), (B, T, Hkv, D),
-                                                                      (B, T, H, D)))
+    q, k, v, ct = (
+        jnp.asarray(rng.standard_normal(s), dt) for s in ((B, T, H, D), (B, T, Hkv, D), (B, T, Hkv, D), (B, T, H, D))
+    )
     seg = packed_segments(rng, B, T, a.segments)
     kw = dict(segment_ids=seg, causal=True, window=a.window, softcap=a.softcap)
     progs = {}
@@ -134,9 +141,12 @@ def main(argv=None) -> int:
         progs[name] = (fwd, grad)
 
     dev = jax.devices()[0]
-    what = (f"attention B{B} T{T} H{H}/{Hkv} D{D} causal" + (f" window {a.window}" if a.window else "")
-            + (f" softcap {a.softcap:g}" if a.softcap else "") + (f", {a.segments} documents a row" if seg is not None
-                                                                  else ", no segment ids"))
+    what = (
+        f"attention B{B} T{T} H{H}/{Hkv} D{D} causal"
+        + (f" window {a.window}" if a.window else "")
+        + (f" softcap {a.softcap:g}" if a.softcap else "")
+        + (f", {a.segments} documents a row" if seg is not None else ", no segment ids")
+    )
     print(f"{what}, {a.dtype}, {dev.platform} ({dev.device_kind}, {os.cpu_count()} CPUs)")
 
     outs, refused = {}, {}
@@ -161,8 +171,10 @@ def main(argv=None) -> int:
             continue
         (y, g), (y0, g0) = outs[name], outs[base]
         e_out, e_grad = err(y, y0), max(err(x, x0) for x, x0 in zip(g, g0))
-        print(f"check {name} against {base}: out {e_out:.1e}, grads {e_grad:.1e} (largest error relative to "
-              f"the largest value)")
+        print(
+            f"check {name} against {base}: out {e_out:.1e}, grads {e_grad:.1e} (largest error relative to "
+            f"the largest value)"
+        )
         if not (e_out <= tol and e_grad <= tol):
             bad.append(name)
     if bad:
@@ -172,17 +184,20 @@ def main(argv=None) -> int:
     times = {n: {"fwd": [], "fwd+bwd": []} for n in progs}
     order = list(progs)
     for r in range(a.rounds):
-        for name in order[r % len(order):] + order[:r % len(order)]:
+        for name in order[r % len(order) :] + order[: r % len(order)]:
             fwd, grad = progs[name]
             times[name]["fwd"].append(timed(fwd, (q, k, v), a.calls))
             times[name]["fwd+bwd"].append(timed(grad, (q, k, v), a.calls))
-    print(f"\n{a.rounds} interleaved rounds of {a.calls} calls; ms per call, median (min-max) over the rounds; "
-          f"ratio to {base} per round, median (min-max)")
+    print(
+        f"\n{a.rounds} interleaved rounds of {a.calls} calls; ms per call, median (min-max) over the rounds; "
+        f"ratio to {base} per round, median (min-max)"
+    )
     print(f"{'backend':<14} {'fwd ms':>22} {'fwd+bwd ms':>22} {'fwd ratio':>22} {'fwd+bwd ratio':>22}")
     for name in progs:
         cols = [spread(times[name][p], 1e3) for p in ("fwd", "fwd+bwd")]
-        cols += [spread([x / y for x, y in zip(times[name][p], times[base][p])], fmt="{:.3f}")
-                 for p in ("fwd", "fwd+bwd")]
+        cols += [
+            spread([x / y for x, y in zip(times[name][p], times[base][p])], fmt="{:.3f}") for p in ("fwd", "fwd+bwd")
+        ]
         print(f"{name:<14} " + " ".join(f"{c:>22}" for c in cols))
     return 0
 

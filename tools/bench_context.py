@@ -47,8 +47,10 @@ from shared.variant import load  # noqa: E402
 
 FOLDERS = ("variants/dense", "variants/swa_hybrid", "variants/kda", "variants/moe_hero")
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f64": 8, "s64": 8}
-COLLECTIVE = re.compile(r"=\s*(\(?[a-z0-9]+\[[^=]*?)\s+(all-gather|collective-permute|all-reduce|all-to-all|reduce-scatter)"
-                        r"(?:-start)?\(")
+COLLECTIVE = re.compile(
+    r"=\s*(\(?[a-z0-9]+\[[^=]*?)\s+(all-gather|collective-permute|all-reduce|all-to-all|reduce-scatter)"
+    r"(?:-start)?\("
+)
 SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
 
 
@@ -89,29 +91,50 @@ def per_layer(cfg, c: int, T: int) -> dict:
 
 def measure(folder: str, T: int, c: int) -> dict:
     train = load(os.path.join(ROOT, folder, "train.py"))
-    cfg = train.TrainConfig(seq_len=T, batch_size=1, grad_accum=1, mesh_data=1, mesh_model=1, mesh_context=c,
-                            wandb="disabled", **({"mesh_expert": 1} if hasattr(train.TrainConfig, "mesh_expert") else {}))
+    cfg = train.TrainConfig(
+        seq_len=T,
+        batch_size=1,
+        grad_accum=1,
+        mesh_data=1,
+        mesh_model=1,
+        mesh_context=c,
+        wandb="disabled",
+        **({"mesh_expert": 1} if hasattr(train.TrainConfig, "mesh_expert") else {}),
+    )
     mesh = train.make_mesh(cfg, jax.devices()[:c])
     opt, schedule = train.make_optimizer(cfg)
     with jax.set_mesh(mesh):
         state = jax.eval_shape(lambda: train.init_state(cfg, opt, jax.random.key(0)))
         s = NamedSharding(mesh, train.batch_spec(1))
-        batch = {k: jax.ShapeDtypeStruct((1, 1, T), jnp.float32 if k == "loss_mask" else jnp.int32, sharding=s)
-                 for k in ("tokens", "targets", "segment_ids", "loss_mask")}
+        batch = {
+            k: jax.ShapeDtypeStruct((1, 1, T), jnp.float32 if k == "loss_mask" else jnp.int32, sharding=s)
+            for k in ("tokens", "targets", "segment_ids", "loss_mask")
+        }
         compiled = jax.jit(train.make_train_step(cfg, opt, schedule)).lower(state, batch).compile()
-        micro = {k: jax.ShapeDtypeStruct((1, T), v.dtype, sharding=NamedSharding(mesh, train.batch_spec(0)))
-                 for k, v in batch.items()}
+        micro = {
+            k: jax.ShapeDtypeStruct((1, T), v.dtype, sharding=NamedSharding(mesh, train.batch_spec(0)))
+            for k, v in batch.items()
+        }
         est = memory.estimate(state, lambda p, b: train.model.loss_fn(p, b, cfg.model)[0], micro)
     mem = compiled.memory_analysis()
     coll = collective_bytes(compiled.as_text())
-    return {"folder": folder, "context": c, "temp": mem.temp_size_in_bytes, "residuals": est["activations"],
-            "gathered": coll.get("all-gather", 0) + coll.get("collective-permute", 0),
-            "reduced": coll.get("all-reduce", 0) + coll.get("reduce-scatter", 0), "collectives": coll,
-            "per_layer": per_layer(cfg, c, T)}
+    return {
+        "folder": folder,
+        "context": c,
+        "temp": mem.temp_size_in_bytes,
+        "residuals": est["activations"],
+        "gathered": coll.get("all-gather", 0) + coll.get("collective-permute", 0),
+        "reduced": coll.get("all-reduce", 0) + coll.get("reduce-scatter", 0),
+        "collectives": coll,
+        "per_layer": per_layer(cfg, c, T),
+    }
 
 
-ATTENTION_PATHS = {"whole row": dict(ZIGZAG=False, RING=False), "zigzag, all-gather": dict(ZIGZAG=True, RING=False),
-                   "zigzag, ring": dict(ZIGZAG=True, RING=True)}
+ATTENTION_PATHS = {
+    "whole row": dict(ZIGZAG=False, RING=False),
+    "zigzag, all-gather": dict(ZIGZAG=True, RING=False),
+    "zigzag, ring": dict(ZIGZAG=True, RING=True),
+}
 
 
 def time_attention(T: int, c: int, rounds: int, calls: int, heads=(8, 2, 64)) -> dict:
@@ -126,8 +149,12 @@ def time_attention(T: int, c: int, rounds: int, calls: int, heads=(8, 2, 64)) ->
     from shared.kernels import context
 
     H, Hkv, D = heads
-    mesh = jax.make_mesh((1, c, 1), ("data", "context", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 3,
-                         devices=jax.devices()[:c])
+    mesh = jax.make_mesh(
+        (1, c, 1),
+        ("data", "context", "model"),
+        axis_types=(jax.sharding.AxisType.Explicit,) * 3,
+        devices=jax.devices()[:c],
+    )
     ks = jax.random.split(jax.random.key(0), 3)
     put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data", "context", None, None)))  # noqa: E731
     q, k, v = (put(jax.random.normal(kk, (1, T, h, D))) for kk, h in zip(ks, (H, Hkv, Hkv)))
@@ -148,7 +175,7 @@ def time_attention(T: int, c: int, rounds: int, calls: int, heads=(8, 2, 64)) ->
     times = {p: [] for p in fns}
     order = list(fns)
     for i in range(rounds):
-        for path in order[i % len(order):] + order[:i % len(order)]:
+        for path in order[i % len(order) :] + order[: i % len(order)]:
             t = time.perf_counter()
             for _ in range(calls):
                 jax.block_until_ready(fns[path](q, k, v))
@@ -158,22 +185,29 @@ def time_attention(T: int, c: int, rounds: int, calls: int, heads=(8, 2, 64)) ->
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--folders", default=",".join(FOLDERS), help="comma-separated folders (default: the four variants)")
     ap.add_argument("--seq_len", type=int, default=8192, help="tokens a row (default 8192)")
     ap.add_argument("--contexts", default="1,2,4", help="context axis sizes, comma-separated (default 1,2,4)")
     ap.add_argument("--table", action="store_true", help="print a markdown table with the command and date")
-    ap.add_argument("--attention", action="store_true",
-                    help="instead: time full causal attention's forward + backward (8 heads, 2 kv heads, head_dim 64): "
-                         "each device against the whole row, the zigzag on the all-gathered row, the zigzag on a "
-                         "ring; per context size > 1, with XLA's temporaries per device")
+    ap.add_argument(
+        "--attention",
+        action="store_true",
+        help="instead: time full causal attention's forward + backward (8 heads, 2 kv heads, head_dim 64): "
+        "each device against the whole row, the zigzag on the all-gathered row, the zigzag on a "
+        "ring; per context size > 1, with XLA's temporaries per device",
+    )
     ap.add_argument("--rounds", type=int, default=7, help="--attention: interleaved rounds (default 7)")
     ap.add_argument("--calls", type=int, default=3, help="--attention: calls a round (default 3)")
     args = ap.parse_args(argv)
     contexts = [int(x) for x in args.contexts.split(",")]
     if max(contexts) > jax.device_count():
-        ap.error(f"--contexts {args.contexts} needs {max(contexts)} devices, {jax.device_count()} here "
-                 "(XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+        ap.error(
+            f"--contexts {args.contexts} needs {max(contexts)} devices, {jax.device_count()} here "
+            "(XLA_FLAGS=--xla_force_host_platform_device_count=8)"
+        )
     MiB = 2**20
     if args.attention:
         import statistics
@@ -181,10 +215,13 @@ def main(argv=None):
         for c in [c for c in contexts if c > 1]:
             for path, (r, temp) in time_attention(args.seq_len, c, args.rounds, args.calls).items():
                 logits = 1.0 if path == "whole row" else (2 * c + 2) / (4 * c)
-                print(f"full attention, seq_len {args.seq_len}, context {c}, {path}: forward + backward time / "
-                      f"whole row {statistics.median(r):.3f} median ({min(r):.3f}-{max(r):.3f}) over {args.rounds} "
-                      f"rounds of {args.calls} calls; logits {logits:.3f} of the whole row's; temporaries "
-                      f"{temp / MiB:.1f} MiB per device", flush=True)
+                print(
+                    f"full attention, seq_len {args.seq_len}, context {c}, {path}: forward + backward time / "
+                    f"whole row {statistics.median(r):.3f} median ({min(r):.3f}-{max(r):.3f}) over {args.rounds} "
+                    f"rounds of {args.calls} calls; logits {logits:.3f} of the whole row's; temporaries "
+                    f"{temp / MiB:.1f} MiB per device",
+                    flush=True,
+                )
         return
     rows = []
     for folder in args.folders.split(","):
@@ -194,23 +231,32 @@ def main(argv=None):
             base = base or r
             rows.append(r)
             layer = ", ".join(f"{k} {v / MiB:.2f}" for k, v in r["per_layer"].items())
-            print(f"{folder} context {c}: temp {r['temp'] / MiB:.1f} MiB ({r['temp'] / base['temp']:.2f}x of "
-                  f"context {contexts[0]}), residuals {r['residuals'] / MiB:.1f} MiB, gathered {r['gathered'] / MiB:.1f} MiB, "
-                  f"all-reduce + reduce-scatter {r['reduced'] / MiB:.1f} MiB ({', '.join(f'{k} {v / MiB:.2f}' for k, v in sorted(r['collectives'].items()))}); "
-                  f"a layer receives (MiB): {layer}", flush=True)
+            print(
+                f"{folder} context {c}: temp {r['temp'] / MiB:.1f} MiB ({r['temp'] / base['temp']:.2f}x of "
+                f"context {contexts[0]}), residuals {r['residuals'] / MiB:.1f} MiB, gathered {r['gathered'] / MiB:.1f} MiB, "
+                f"all-reduce + reduce-scatter {r['reduced'] / MiB:.1f} MiB ({', '.join(f'{k} {v / MiB:.2f}' for k, v in sorted(r['collectives'].items()))}); "
+                f"a layer receives (MiB): {layer}",
+                flush=True,
+            )
     if args.table:
         cmd = "python tools/bench_context.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        print(f"\n`{cmd}` on {jax.device_count()} CPU devices, {datetime.date.today()}, seq_len {args.seq_len}, "
-              "one row a step; MiB per device\n")
-        print("| folder | context | temporaries | vs context 1 | residuals | all-gather + permute | all-reduce + reduce-scatter | "
-              "a layer receives (forward) |")
+        print(
+            f"\n`{cmd}` on {jax.device_count()} CPU devices, {datetime.date.today()}, seq_len {args.seq_len}, "
+            "one row a step; MiB per device\n"
+        )
+        print(
+            "| folder | context | temporaries | vs context 1 | residuals | all-gather + permute | all-reduce + reduce-scatter | "
+            "a layer receives (forward) |"
+        )
         print("|---|---|---|---|---|---|---|---|")
         first = {}
         for r in rows:
             first.setdefault(r["folder"], r)
             layer = "; ".join(f"{k} {v / MiB:.2f}" for k, v in r["per_layer"].items())
-            print(f"| {r['folder']} | {r['context']} | {r['temp'] / MiB:.1f} | {r['temp'] / first[r['folder']]['temp']:.2f}x "
-                  f"| {r['residuals'] / MiB:.1f} | {r['gathered'] / MiB:.1f} | {r['reduced'] / MiB:.1f} | {layer} |")
+            print(
+                f"| {r['folder']} | {r['context']} | {r['temp'] / MiB:.1f} | {r['temp'] / first[r['folder']]['temp']:.2f}x "
+                f"| {r['residuals'] / MiB:.1f} | {r['gathered'] / MiB:.1f} | {r['reduced'] / MiB:.1f} | {layer} |"
+            )
 
 
 if __name__ == "__main__":

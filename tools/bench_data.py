@@ -70,8 +70,10 @@ def bench_tokenize(work: str, mb: float, rounds: int, tok_path: str) -> dict:
             times.append(time.perf_counter() - t)
             shutil.rmtree(dest)
         out[workers] = nbytes / 1e6 / statistics.median(times)
-    print(f"tokenize: {nbytes / 1e6:.1f} MB of text, median of {rounds}: 1 worker {out[1]:.2f} MB/s; "
-          f"2 workers {out[2]:.2f} MB/s ({out[2] / 2:.2f} MB/s per worker)")
+    print(
+        f"tokenize: {nbytes / 1e6:.1f} MB of text, median of {rounds}: 1 worker {out[1]:.2f} MB/s; "
+        f"2 workers {out[2]:.2f} MB/s ({out[2] / 2:.2f} MB/s per worker)"
+    )
     return {"text_mb": nbytes / 1e6, "mb_s_1_worker": out[1], "mb_s_2_workers": out[2]}
 
 
@@ -96,6 +98,7 @@ def step_rows_s(corpus, steps: int) -> float:
     """Rows/s the CPU default's train step consumes (variants/dense at its defaults, one device)."""
     import jax
     from shared.variant import load
+
     train = load(os.path.join(ROOT, "variants", "dense", "train.py"))
     cfg = train.TrainConfig()
     devices = jax.devices()[:1]
@@ -131,8 +134,9 @@ def write_synthetic(path: str, gb: float, vocab: int = 32768, n_shards: int = 8)
         tokens = rng.integers(1, vocab, per, dtype=np.uint16)
         ends = np.cumsum(lengths)
         tokens[ends - 1] = 0
-        markers.append(tokenstore.write_shard(folder, k, tokens, tokenstore.build_docs(lengths, lengths * 4),
-                                              "synthetic"))
+        markers.append(
+            tokenstore.write_shard(folder, k, tokens, tokenstore.build_docs(lengths, lengths * 4), "synthetic")
+        )
         del tokens
     tokenstore.write_manifest(folder, markers, tokenizer_sha256="", vocab_size=vocab, eos_id=0)
 
@@ -158,17 +162,23 @@ def bench_memory(work: str, gb: float, steps: int) -> dict:
         write_synthetic(path, gb)
         size = sum(os.path.getsize(os.path.join(path, "shards", f)) for f in os.listdir(os.path.join(path, "shards")))
         print(f"synthetic store: {size / 1e9:.2f} GB written in {time.perf_counter() - t:.0f} s")
-        r = subprocess.run([sys.executable, __file__, "--_read_child", path, "--mem_steps", str(steps)],
-                           capture_output=True, text=True, env={**os.environ, "STENCIL_CACHE": work})
+        r = subprocess.run(
+            [sys.executable, __file__, "--_read_child", path, "--mem_steps", str(steps)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "STENCIL_CACHE": work},
+        )
         if r.returncode:
             raise RuntimeError(r.stderr[-3000:])
         m = json.loads(r.stdout.strip().splitlines()[-1])
     finally:
         shutil.rmtree(path, ignore_errors=True)
     m["store_gb"] = size / 1e9
-    print(f"memory: store {m['store_gb']:.2f} GB; RSS {m['baseline_mb']:.0f} MB after imports, {m['opened_mb']:.0f} MB "
-          f"with the store open, peak {m['peak_mb']:.0f} MB over {steps} random batches "
-          f"(+{m['peak_mb'] - m['baseline_mb']:.0f} MB above the baseline); {m['rows_s']:,.0f} rows/s")
+    print(
+        f"memory: store {m['store_gb']:.2f} GB; RSS {m['baseline_mb']:.0f} MB after imports, {m['opened_mb']:.0f} MB "
+        f"with the store open, peak {m['peak_mb']:.0f} MB over {steps} random batches "
+        f"(+{m['peak_mb'] - m['baseline_mb']:.0f} MB above the baseline); {m['rows_s']:,.0f} rows/s"
+    )
     return m
 
 
@@ -192,12 +202,16 @@ def main(argv=None) -> None:
         corpus = data.load_corpus(data.DataConfig(), 2048, progress=True)  # the default's store (cached)
         tok_path = os.path.join(args.work, "tokenizer.json")
         corpus.tokenizer.save(tok_path)
-        res = {"tokenize": bench_tokenize(args.work, args.tokenize_mb, args.rounds, tok_path),
-               "loader": bench_loader(corpus, args.loader_steps)}
+        res = {
+            "tokenize": bench_tokenize(args.work, args.tokenize_mb, args.rounds, tok_path),
+            "loader": bench_loader(corpus, args.loader_steps),
+        }
         if not args.skip_step:
             res["step_rows_s"] = step_rows_s(corpus, args.step_steps)
-            print(f"loader / train step: {res['loader']['rows_s'] / res['step_rows_s']:,.0f}x (one source), "
-                  f"{res['loader']['rows_s_mixture'] / res['step_rows_s']:,.0f}x (mixture)")
+            print(
+                f"loader / train step: {res['loader']['rows_s'] / res['step_rows_s']:,.0f}x (one source), "
+                f"{res['loader']['rows_s_mixture'] / res['step_rows_s']:,.0f}x (mixture)"
+            )
         res["memory"] = bench_memory(args.work, args.store_gb, args.mem_steps)
         print(json.dumps(res))
     finally:

@@ -63,6 +63,7 @@ def one_device(train, tc, devices):
 
 # ---------------------------------------------------------------- speed
 
+
 def full_recompute(model, cfg):
     """One step of recomputation: forward over the whole row, the argmax at position i - 1, put at i."""
 
@@ -102,10 +103,11 @@ def bench_speed(folder, new_lengths, prompt_len, batch, rounds, full_steps):
 
             k = min(16, n)
             got = cached()[0].tokens[:k]  # compiles the cached path
-            check = np.asarray(full(k))[0, prompt_len:prompt_len + k].tolist()  # compiles the full one
+            check = np.asarray(full(k))[0, prompt_len : prompt_len + k].tolist()  # compiles the full one
             if got != check:
-                raise SystemExit(f"error: {folder}: cached and full greedy decoding differ in the first {k} tokens: "
-                                 f"{got} vs {check}")
+                raise SystemExit(
+                    f"error: {folder}: cached and full greedy decoding differ in the first {k} tokens: {got} vs {check}"
+                )
             times = {"cached": [], "full": []}
             for r in range(rounds):
                 for arm in ("cached", "full") if r % 2 == 0 else ("full", "cached"):
@@ -129,26 +131,36 @@ def speed_table(results, markdown, batch, prompt_len, rounds):
         for n, t in res["rows"].items():
             c, f = t["cached"], t["full"]
             ratio = [a / b for a, b in zip(c, f)]
-            cells = [res["folder"], str(n), f"{med(c):,.0f} ({min(c):,.0f}-{max(c):,.0f})",
-                     f"{med(f):,.1f} ({min(f):,.1f}-{max(f):,.1f})", f"{med(ratio):,.1f}x"]
+            cells = [
+                res["folder"],
+                str(n),
+                f"{med(c):,.0f} ({min(c):,.0f}-{max(c):,.0f})",
+                f"{med(f):,.1f} ({min(f):,.1f}-{max(f):,.1f})",
+                f"{med(ratio):,.1f}x",
+            ]
             if markdown:
                 lines.append("| " + " | ".join(cells) + " |")
             else:
                 lines.append(f"{cells[0]:<22}{cells[1]:>11}{cells[2]:>26}{cells[3]:>26}{cells[4]:>15}")
-    lines.append(f"\n{batch} row(s), a {prompt_len}-token prompt, greedy; medians of {rounds} alternating rounds "
-                 f"(min-max); {jax.devices()[0].device_kind}, {os.cpu_count()} CPUs")
+    lines.append(
+        f"\n{batch} row(s), a {prompt_len}-token prompt, greedy; medians of {rounds} alternating rounds "
+        f"(min-max); {jax.devices()[0].device_kind}, {os.cpu_count()} CPUs"
+    )
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- memory
+
 
 def cache_bytes(model, train, tc, length):
     """{leaf path: bytes} of init_cache(cfg, 1, length), from shapes only."""
     tc, mesh = one_device(train, tc, 1)
     with jax.sharding.use_abstract_mesh(mesh):
         shapes = jax.eval_shape(lambda: model.init_cache(tc.model, 1, length))
-    return {jax.tree_util.keystr(p): math.prod(s.shape) * s.dtype.itemsize
-            for p, s in jax.tree_util.tree_flatten_with_path(shapes)[0]}
+    return {
+        jax.tree_util.keystr(p): math.prod(s.shape) * s.dtype.itemsize
+        for p, s in jax.tree_util.tree_flatten_with_path(shapes)[0]
+    }
 
 
 def bench_memory(folder, lengths):
@@ -162,9 +174,16 @@ def bench_memory(folder, lengths):
     for name, tc in configs:
         per = [cache_bytes(model, train, tc, L) for L in lengths]
         grows = [k for k in per[-1] if len(per) > 1 and per[-1][k] != per[-2][k]]  # still growing at the longest
-        out.append({"folder": folder, "config": name, "total": [sum(p.values()) for p in per],
-                    "grows": [sum(p[k] for k in grows) for p in per],
-                    "fixed": [sum(v for k, v in p.items() if k not in grows) for p in per], "growing_leaves": grows})
+        out.append(
+            {
+                "folder": folder,
+                "config": name,
+                "total": [sum(p.values()) for p in per],
+                "grows": [sum(p[k] for k in grows) for p in per],
+                "fixed": [sum(v for k, v in p.items() if k not in grows) for p in per],
+                "growing_leaves": grows,
+            }
+        )
     return out
 
 
@@ -188,15 +207,21 @@ def memory_table(results, lengths, markdown):
             lines.append("| " + " | ".join([r["folder"], r["config"]] + cells) + " |")
         else:
             lines.append(f"{r['folder']:<22}{r['config']:<14}" + "".join(f"{c:>16}" for c in cells))
-    lines.append("\ncache bytes per sequence (init_cache(cfg, 1, L), the compute dtype); 'of which fixed': the part "
-                 "that no longer grows at the longest L (sliding-window rings, KDA states and convolution tails, "
-                 "positions); the rest, keys and values of global attention layers, grows linearly")
+    lines.append(
+        "\ncache bytes per sequence (init_cache(cfg, 1, L), the compute dtype); 'of which fixed': the part "
+        "that no longer grows at the longest L (sliding-window rings, KDA states and convolution tails, "
+        "positions); the rest, keys and values of global attention layers, grows linearly"
+    )
     return "\n".join(lines)
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python tools/bench_generate.py", description=__doc__.split("\n\n")[0],
-                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python tools/bench_generate.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--variants", default="", help="comma-separated folders (dense or variants/dense); default all")
     ap.add_argument("--new", default="256,1024", help="new tokens per run, comma-separated (default 256,1024)")
     ap.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (default 16)")
@@ -225,7 +250,9 @@ def main(argv=None):
         if unknown:
             ap.error(f"unknown folder(s) {unknown}; folders: {folders}")
         folders = [by_name[v] for v in names]
-    print(f"{time.strftime('%Y-%m-%d')}: python tools/bench_generate.py {' '.join(sys.argv[1:] if argv is None else argv)}")
+    print(
+        f"{time.strftime('%Y-%m-%d')}: python tools/bench_generate.py {' '.join(sys.argv[1:] if argv is None else argv)}"
+    )
     if not args.speed_only:
         mem = [r for f in folders for r in bench_memory(f, lengths)]
         print("\n" + memory_table(mem, lengths, args.markdown))

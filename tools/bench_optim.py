@@ -57,9 +57,12 @@ def step_share(train, cfg, repeats: int) -> tuple[float, float]:
     rng = np.random.default_rng(0)
     rows = cfg.batch_size // cfg.grad_accum
     tokens = rng.integers(0, cfg.model.vocab_size, (cfg.batch_size, cfg.seq_len + 1)).astype(np.int32)
-    batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:],
-             "segment_ids": np.ones((cfg.batch_size, cfg.seq_len), np.int32),
-             "loss_mask": np.ones((cfg.batch_size, cfg.seq_len), np.float32)}
+    batch = {
+        "tokens": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "segment_ids": np.ones((cfg.batch_size, cfg.seq_len), np.int32),
+        "loss_mask": np.ones((cfg.batch_size, cfg.seq_len), np.float32),
+    }
     assert rows * cfg.grad_accum == cfg.batch_size
     with jax.set_mesh(mesh):
         state = jax.jit(lambda k: train.init_state(cfg, opt, k))(jax.random.key(0))
@@ -102,37 +105,61 @@ def sweep(variant: str, names, lrs, steps: int, work: str, rows_file: str = "") 
                 print(f"sweep {variant} {name} lr {lr:g}: from {rows_file}", flush=True)
                 continue
             train = load(os.path.join(ROOT, "variants", variant, "train.py"))
-            cfg = train.TrainConfig(optimizer=name, lr=lr, steps=steps, eval_every=steps, log_every=steps,
-                                    save_every=0, wandb="disabled", sample_tokens=0,
-                                    run_dir=os.path.join(work, f"{variant}-{name}-{lr:g}"))
+            cfg = train.TrainConfig(
+                optimizer=name,
+                lr=lr,
+                steps=steps,
+                eval_every=steps,
+                log_every=steps,
+                save_every=0,
+                wandb="disabled",
+                sample_tokens=0,
+                run_dir=os.path.join(work, f"{variant}-{name}-{lr:g}"),
+            )
             t = time.perf_counter()
             out = train.main(cfg)
-            rows.append({"variant": variant, "optimizer": name, "lr": lr, "steps": steps, "loss": out["losses"][steps],
-                         "val_loss": out["val_loss"], "s": time.perf_counter() - t})
+            rows.append(
+                {
+                    "variant": variant,
+                    "optimizer": name,
+                    "lr": lr,
+                    "steps": steps,
+                    "loss": out["losses"][steps],
+                    "val_loss": out["val_loss"],
+                    "s": time.perf_counter() - t,
+                }
+            )
             if rows_file:
                 with open(rows_file, "a") as f:
                     f.write(json.dumps(rows[-1]) + "\n")
-            print(f"sweep {variant} {name} lr {lr:g}: loss {rows[-1]['loss']:.4f} val {rows[-1]['val_loss']:.4f} "
-                  f"({rows[-1]['s']:.0f} s)", flush=True)
+            print(
+                f"sweep {variant} {name} lr {lr:g}: loss {rows[-1]['loss']:.4f} val {rows[-1]['val_loss']:.4f} "
+                f"({rows[-1]['s']:.0f} s)",
+                flush=True,
+            )
     return rows
 
 
 def sweep_table(rows: list[dict]) -> list[str]:
     """Markdown: per variant, optimizer and run length, the loss at the last step and val_loss for each
     learning rate tried (* = the best last-step loss; the lowest learning rate first)."""
-    out = ["Learning-rate sweep (CPU default model, batch and data, seed 0): loss at the last step / val_loss "
-           "per learning rate; * = best", "",
-           "| variant | steps | optimizer | loss / val_loss at each learning rate | best lr | val_loss at best |",
-           "|---|---|---|---|---|---|"]
+    out = [
+        "Learning-rate sweep (CPU default model, batch and data, seed 0): loss at the last step / val_loss "
+        "per learning rate; * = best",
+        "",
+        "| variant | steps | optimizer | loss / val_loss at each learning rate | best lr | val_loss at best |",
+        "|---|---|---|---|---|---|",
+    ]
     groups = {}
     for r in rows:
         groups.setdefault((r["variant"], r["steps"], r["optimizer"]), {})[r["lr"]] = r
     order = {n: i for i, n in enumerate(optim.OPTIMIZERS)}
-    for (v, steps, name) in sorted(groups, key=lambda k: (k[0], k[1], order.get(k[2], 99))):
+    for v, steps, name in sorted(groups, key=lambda k: (k[0], k[1], order.get(k[2], 99))):
         rs = [groups[(v, steps, name)][lr] for lr in sorted(groups[(v, steps, name)])]
         best = min(rs, key=lambda r: r["loss"])
-        cells = ", ".join(f"{r['lr']:g}: {r['loss']:.3f} / {r['val_loss']:.3f}" + ("*" if r is best else "")
-                          for r in rs)
+        cells = ", ".join(
+            f"{r['lr']:g}: {r['loss']:.3f} / {r['val_loss']:.3f}" + ("*" if r is best else "") for r in rs
+        )
         out.append(f"| {v} | {steps} | {name} | {cells} | {best['lr']:g} | {best['val_loss']:.3f} |")
     return out
 
@@ -147,8 +174,12 @@ def main(argv=None) -> None:
     ap.add_argument("--sweep_variants", default="dense,moe_hero")
     ap.add_argument("--sweep_steps", type=int, default=220, help="steps per sweep run (220 = the CPU default)")
     ap.add_argument("--lrs", default="1e-3,3e-3,1e-2", help="learning rates of the sweep")
-    ap.add_argument("--rows", default="", help="sweep: append each run's result here (JSON lines) and skip "
-                    "runs already in it, so that an interrupted sweep resumes")
+    ap.add_argument(
+        "--rows",
+        default="",
+        help="sweep: append each run's result here (JSON lines) and skip "
+        "runs already in it, so that an interrupted sweep resumes",
+    )
     ap.add_argument("--table", action="store_true", help="print the sweep table of every run in --rows")
     ap.add_argument("--out", default="", help="also write the tables (Markdown) here")
     args = ap.parse_args(argv)
@@ -166,10 +197,19 @@ def main(argv=None) -> None:
         configs["CPU default"] = base
     if "larger" in wanted:
         configs["larger (" + ", ".join(f"{k}={v}" for k, v in LARGER.items()) + ")"] = dataclasses.replace(
-            base, model=dataclasses.replace(base.model, **LARGER))
-    lines = [f"Optimizer step share, {args.variant}, {len(jax.devices())} {jax.devices()[0].platform} device(s), "
-             f"median of {args.repeats}", "",
-             "| config | optimizer | train step (ms) | optimizer alone (ms) | share |", "|---|---|---|---|---|"] if configs else []
+            base, model=dataclasses.replace(base.model, **LARGER)
+        )
+    lines = (
+        [
+            f"Optimizer step share, {args.variant}, {len(jax.devices())} {jax.devices()[0].platform} device(s), "
+            f"median of {args.repeats}",
+            "",
+            "| config | optimizer | train step (ms) | optimizer alone (ms) | share |",
+            "|---|---|---|---|---|",
+        ]
+        if configs
+        else []
+    )
     for label, cfg in configs.items():
         for name in names:
             t_step, t_opt = step_share(train, dataclasses.replace(cfg, optimizer=name), args.repeats)
@@ -178,7 +218,11 @@ def main(argv=None) -> None:
     if args.sweep:
         lrs = [float(x) for x in args.lrs.split(",")]
         with tempfile.TemporaryDirectory(prefix="bench-optim-") as work:
-            rows = [r for v in args.sweep_variants.split(",") for r in sweep(v, names, lrs, args.sweep_steps, work, args.rows)]
+            rows = [
+                r
+                for v in args.sweep_variants.split(",")
+                for r in sweep(v, names, lrs, args.sweep_steps, work, args.rows)
+            ]
         lines += [""] + sweep_table(rows)
     if args.table:
         if not args.rows or not os.path.exists(args.rows):

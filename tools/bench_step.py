@@ -60,6 +60,7 @@ RTOL = 2e-4
 
 # ---------------------------------------------------------------- the plainest dense step
 
+
 def plain_loss(params, batch, mc):
     """Dense's loss, written the plainest way: no kernels, no sharding, full logits."""
     tokens, seg = batch["tokens"], batch["segment_ids"]
@@ -94,10 +95,13 @@ def plain_loss(params, batch, mc):
         h = norm(x, p["mlp_norm"])
         return x + (jax.nn.silu(h @ p["w_gate"].astype(dt)) * (h @ p["w_up"].astype(dt))) @ p["w_down"].astype(dt), None
 
-    policy = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-              "full": jax.checkpoint_policies.nothing_saveable}.get(mc.remat)
-    x, _ = jax.lax.scan(jax.checkpoint(layer, policy=policy) if policy else layer,
-                        params["embed"][tokens].astype(dt), params["layers"])
+    policy = {
+        "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        "full": jax.checkpoint_policies.nothing_saveable,
+    }.get(mc.remat)
+    x, _ = jax.lax.scan(
+        jax.checkpoint(layer, policy=policy) if policy else layer, params["embed"][tokens].astype(dt), params["layers"]
+    )
     x = norm(x, params["final_norm"])
     w_out = params["embed"].T if mc.tie_embeddings else params["unembed"]
     logits = jnp.einsum("btd,dv->btv", x, w_out.astype(dt), preferred_element_type=jnp.float32)
@@ -137,6 +141,7 @@ def plain_step(tc, warmup: int):
 
 
 # ---------------------------------------------------------------- data, checks, timing
+
 
 def synthetic_batch(tc, seed=0):
     """One batch of random tokens packed as documents of random length (segment ids, loss mask)."""
@@ -184,7 +189,9 @@ def unsharded(tree):
 
 def matmul_peak(n=1024):
     """FLOP/s of one n x n fp32 matmul on this process's device, now (best of 3)."""
-    return flops.measure_cpu_peak(n, repeats=3) if jax.devices()[0].platform == "cpu" else flops.device_peak("float32")[0]
+    return (
+        flops.measure_cpu_peak(n, repeats=3) if jax.devices()[0].platform == "cpu" else flops.device_peak("float32")[0]
+    )
 
 
 def time_arm(step, state, batch, k):
@@ -225,17 +232,27 @@ def ratios(a, b):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python tools/bench_step.py", description=__doc__.split("\n\n")[0],
-                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python tools/bench_step.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--variant", default="dense", help="folder under variants/ (or templates/base); default dense")
     ap.add_argument("--rounds", type=int, default=9, help="interleaved rounds (default 9)")
     ap.add_argument("--steps-per-round", type=int, default=3, help="steps timed per arm per round (default 3)")
-    ap.add_argument("--no-reference", action="store_true",
-                    help="skip the plain step (it is written for dense's math only): time the variant alone")
+    ap.add_argument(
+        "--no-reference",
+        action="store_true",
+        help="skip the plain step (it is written for dense's math only): time the variant alone",
+    )
     ap.add_argument("--check-only", action="store_true", help="check the two steps agree, then stop")
-    ap.add_argument("--attention-backends", default="",
-                    help="comma-separated attention backends: time the variant's step with each (named on every "
-                         "attention layer) side by side, instead of against the plain step; ratios to the last")
+    ap.add_argument(
+        "--attention-backends",
+        default="",
+        help="comma-separated attention backends: time the variant's step with each (named on every "
+        "attention layer) side by side, instead of against the plain step; ratios to the last",
+    )
     args, rest = ap.parse_known_args(argv)
     if args.rounds < 1 or args.steps_per_round < 1:
         ap.error("--rounds and --steps-per-round must be >= 1")
@@ -263,29 +280,41 @@ def main(argv=None):
         params = state0["params"]
         fpt = train.model.flops_per_token(tc.model, tc.seq_len)
         tokens = tc.batch_size * tc.seq_len
-        print(f"{folder}: {train.model.num_params(tc.model) / 1e6:.2f}M params, batch {tc.batch_size} x {tc.seq_len}, "
-              f"d_model {tc.model.d_model}, {fpt / 1e6:.1f} MFLOP/token, {jax.devices()[0].device_kind}, "
-              f"{os.cpu_count()} CPUs")
+        print(
+            f"{folder}: {train.model.num_params(tc.model) / 1e6:.2f}M params, batch {tc.batch_size} x {tc.seq_len}, "
+            f"d_model {tc.model.d_model}, {fpt / 1e6:.1f} MFLOP/token, {jax.devices()[0].device_kind}, "
+            f"{os.cpu_count()} CPUs"
+        )
         if reference:
             loss, err = check_same(train, tc, params, plain_batch, dev_batch, accum, mesh)
-            print(f"check: loss {loss:.5f}; losses, gradients and one-step parameters of A and B agree "
-                  f"(max relative error {err:.1e} <= {RTOL:g})")
+            print(
+                f"check: loss {loss:.5f}; losses, gradients and one-step parameters of A and B agree "
+                f"(max relative error {err:.1e} <= {RTOL:g})"
+            )
             if args.check_only:
                 return 0
 
         if backends:
             arms = {f"attention={b}": (train.make_train_step(with_backend[b], opt, sched), accum) for b in backends}
-            arms[f"attention={backends[0]}, again"] = (train.make_train_step(with_backend[backends[0]], opt, sched),
-                                                       accum)
+            arms[f"attention={backends[0]}, again"] = (
+                train.make_train_step(with_backend[backends[0]], opt, sched),
+                accum,
+            )
             a, a2 = f"attention={backends[0]}", f"attention={backends[0]}, again"
         else:
-            arms = {"A  variant step": (train.make_train_step(tc, opt, sched), accum),
-                    "A' variant step, again": (train.make_train_step(tc, opt, sched), accum)}
+            arms = {
+                "A  variant step": (train.make_train_step(tc, opt, sched), accum),
+                "A' variant step, again": (train.make_train_step(tc, opt, sched), accum),
+            }
             a, a2 = "A  variant step", "A' variant step, again"
         if reference:
             arms["B  plain JAX step"] = (plain_step(tc, train.warmup(tc)), plain_batch)
-        states = {name: plain_state(tc, train.warmup(tc), state0["params"]) if name.startswith("B")
-                  else jax.tree.map(jnp.copy, state0) for name in arms}
+        states = {
+            name: plain_state(tc, train.warmup(tc), state0["params"])
+            if name.startswith("B")
+            else jax.tree.map(jnp.copy, state0)
+            for name in arms
+        }
         for name, (step, b) in arms.items():  # compile + warm up
             states[name], _, _ = time_arm(step, states[name], b, 2)
         wall = {n: [] for n in arms}
@@ -293,7 +322,7 @@ def main(argv=None):
         peaks = []
         names = list(arms)
         for r in range(args.rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 step, b = arms[name]
                 states[name], w, c = time_arm(step, states[name], b, args.steps_per_round)
                 wall[name].append(w)
@@ -309,16 +338,20 @@ def main(argv=None):
             last = f"attention={backends[-1]}"
             for b in backends:
                 name = f"attention={b}"
-                print(f"{name:<28} {tokens / med(wall[name]):7.0f} tokens/s (median wall); / {last}: "
-                      f"wall {ratios(wall[name], wall[last])}; cpu {ratios(cpu[name], cpu[last])}")
+                print(
+                    f"{name:<28} {tokens / med(wall[name]):7.0f} tokens/s (median wall); / {last}: "
+                    f"wall {ratios(wall[name], wall[last])}; cpu {ratios(cpu[name], cpu[last])}"
+                )
         if reference:
             b = "B  plain JAX step"
             print(f"A/B            wall {ratios(wall[a], wall[b])}")
             print(f"               cpu  {ratios(cpu[a], cpu[b])}")
         peak = max(peaks)
         achieved = fpt * tokens / med(wall[a])
-        print(f"\nA: {achieved / 1e9:.1f} GFLOP/s (model FLOPs) = {achieved / peak:.1%} of the best in-process "
-              f"fp32 matmul ({peak / 1e9:.1f} GFLOP/s best, {med(peaks) / 1e9:.1f} median over the rounds)")
+        print(
+            f"\nA: {achieved / 1e9:.1f} GFLOP/s (model FLOPs) = {achieved / peak:.1%} of the best in-process "
+            f"fp32 matmul ({peak / 1e9:.1f} GFLOP/s best, {med(peaks) / 1e9:.1f} median over the rounds)"
+        )
     return 0
 
 

@@ -67,8 +67,9 @@ def summarize(tests: dict) -> list[tuple[str, str, float, str, str]]:
     """One row per test function: (name, result, seconds, tier, note)."""
     rows = collections.OrderedDict()
     for nodeid, (outcome, seconds, tier, reason) in sorted(tests.items()):
-        r = rows.setdefault(check_name(nodeid), {"n": 0, "outcomes": collections.Counter(), "s": 0.0,
-                                                 "tiers": set(), "reasons": []})
+        r = rows.setdefault(
+            check_name(nodeid), {"n": 0, "outcomes": collections.Counter(), "s": 0.0, "tiers": set(), "reasons": []}
+        )
         r["n"] += 1
         r["outcomes"][outcome] += 1
         r["s"] += seconds
@@ -92,16 +93,21 @@ def run_tool(cmd: list[str]) -> tuple[str, float, str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python tools/check_variant.py", description=__doc__.split("\n\n")[0],
-                                epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python tools/check_variant.py",
+        description=__doc__.split("\n\n")[0],
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("folders", nargs="+", metavar="FOLDER", help="variants/<name> or templates/base")
     p.add_argument("--fast", action="store_true", help="the fast tier's checks only (skip the integration tier's)")
     p.add_argument("--workers", type=int, default=2, help="pytest-xdist workers (default 2, as the suites run)")
     args = p.parse_args(argv)
     folders = [os.path.relpath(os.path.abspath(f), ROOT).replace(os.sep, "/") for f in args.folders]
     for f in folders:
-        if not (os.path.isfile(os.path.join(ROOT, f, "model.py")) and os.path.isfile(os.path.join(ROOT, f, "train.py"))):
+        if not (
+            os.path.isfile(os.path.join(ROOT, f, "model.py")) and os.path.isfile(os.path.join(ROOT, f, "train.py"))
+        ):
             p.error(f"{f}: not a folder with model.py and train.py (variants/<name> or templates/base)")
     try:
         import pytest
@@ -111,8 +117,19 @@ def main(argv=None) -> int:
     os.chdir(ROOT)
     rec = Recorder()
     marker = "not integration" if args.fast else ""
-    pytest_args = ["-q", "-p", "no:cacheprovider", "--durations=0", "--durations-min=1000", "-m", marker,
-                   "-n", str(args.workers), "-o", "console_output_style=classic"]
+    pytest_args = [
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--durations=0",
+        "--durations-min=1000",
+        "-m",
+        marker,
+        "-n",
+        str(args.workers),
+        "-o",
+        "console_output_style=classic",
+    ]
     for f in folders:
         pytest_args += ["--folder", f]
     start, load = time.monotonic(), os.getloadavg()[0]
@@ -124,8 +141,15 @@ def main(argv=None) -> int:
     tool_rows = []
     for f in folders:
         result, s, out = run_tool([sys.executable, "tools/variant_diff.py", f, "--strict"])
-        tool_rows.append((f"lineage: tools/variant_diff.py {f} --strict", result, s, "fast",
-                          "" if result == "passed" else out.splitlines()[-1]))
+        tool_rows.append(
+            (
+                f"lineage: tools/variant_diff.py {f} --strict",
+                result,
+                s,
+                "fast",
+                "" if result == "passed" else out.splitlines()[-1],
+            )
+        )
         ruff = shutil.which("ruff") or os.path.join(os.path.dirname(sys.executable), "ruff")
         for command in (["check"], ["format", "--check"]):
             what = f"lint: ruff {' '.join(command)} {f}"
@@ -138,20 +162,35 @@ def main(argv=None) -> int:
     for f in folders:
         name = os.path.basename(f)
         readme, hf_doc = (open(os.path.join(ROOT, d)).read() for d in ("README.md", "docs/huggingface.md"))
-        missing = [d for d, ok in (("README.md's tour", f"`{f}/`" in readme),
-                                   ("docs/huggingface.md's table", f"| `{name}` |" in hf_doc)) if not ok]
+        missing = [
+            d
+            for d, ok in (
+                ("README.md's tour", f"`{f}/`" in readme),
+                ("docs/huggingface.md's table", f"| `{name}` |" in hf_doc),
+            )
+            if not ok
+        ]
         if f.startswith("variants/") and missing:
-            notes.append(f"{f} is not in {' or '.join(missing)}: add its rows when you propose it for main "
-                         f"(skills/new-variant, step 9); a copy on a branch needs none")
-    long_checks = {"test_loop.py::test_the_loop_uses_the_run": "loop", "test_contract.py::test_context_parallel_is_exact": "context"}
+            notes.append(
+                f"{f} is not in {' or '.join(missing)}: add its rows when you propose it for main "
+                f"(skills/new-variant, step 9); a copy on a branch needs none"
+            )
+    long_checks = {
+        "test_loop.py::test_the_loop_uses_the_run": "loop",
+        "test_contract.py::test_context_parallel_is_exact": "context",
+    }
     for nodeid, (_, seconds, tier, _) in rec.tests.items():
         name = long_checks.get(check_name(nodeid))
         if name and tier == "fast" and seconds > FAST_BUDGET_S:
-            notes.append(f"{strip_group(nodeid)} took {seconds:.0f} s in the fast tier, over the {FAST_BUDGET_S} s a folder's long "
-                         f"check may take there: drop \"{name}\" from FAST_TIER in its train.py (docs/testing.md)")
-    print(f"\nchecks of {', '.join(folders)} ({'the fast tier' if args.fast else 'both tiers'}; "
-          f"{time.monotonic() - start:.0f} s in all, pytest on {args.workers} workers; load average "
-          f"{load:.1f} at the start on {os.cpu_count()} cores: times on a busier machine run longer):\n")
+            notes.append(
+                f"{strip_group(nodeid)} took {seconds:.0f} s in the fast tier, over the {FAST_BUDGET_S} s a folder's long "
+                f'check may take there: drop "{name}" from FAST_TIER in its train.py (docs/testing.md)'
+            )
+    print(
+        f"\nchecks of {', '.join(folders)} ({'the fast tier' if args.fast else 'both tiers'}; "
+        f"{time.monotonic() - start:.0f} s in all, pytest on {args.workers} workers; load average "
+        f"{load:.1f} at the start on {os.cpu_count()} cores: times on a busier machine run longer):\n"
+    )
     width = max(len(r[0]) for r in rows + tool_rows)
     for name, result, s, tier, note in rows + tool_rows:
         print(f"  {name:<{width}}  {result:<7} {s:7.1f} s  {tier:<11} {note}".rstrip())

@@ -65,8 +65,10 @@ or has a line that is not a JSON object with an integer "step" (also bad --label
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")  # as in shared/checkpoint.py
 PNG, MD = "loss.png", "summary.md"
-TOKENS_NOTE = ("Tokens seen at step s = s × batch_size × seq_len (rows per optimizer step × tokens per row), "
-               "from each run's config.json, or its newest checkpoint's metadata.json when config.json is missing.")
+TOKENS_NOTE = (
+    "Tokens seen at step s = s × batch_size × seq_len (rows per optimizer step × tokens per row), "
+    "from each run's config.json, or its newest checkpoint's metadata.json when config.json is missing."
+)
 
 
 class RunError(Exception):
@@ -95,6 +97,7 @@ class Run:
 
 # ---------------------------------------------------------------- reading a run
 
+
 def _float(v) -> float:
     """A logged number: floats, ints, or the strings "nan"/"inf" the Logger writes; else NaN."""
     if isinstance(v, bool):
@@ -121,8 +124,12 @@ def read_metrics(path: str) -> list[dict]:
                     row = json.loads(line)
                 except ValueError as e:
                     raise RunError(f"{path}: line {n} is not valid JSON ({e})") from None
-                if not isinstance(row, dict) or isinstance(row.get("step"), bool) or not isinstance(row.get("step"), int):
-                    raise RunError(f"{path}: line {n} is not a JSON object with an integer \"step\"")
+                if (
+                    not isinstance(row, dict)
+                    or isinstance(row.get("step"), bool)
+                    or not isinstance(row.get("step"), int)
+                ):
+                    raise RunError(f'{path}: line {n} is not a JSON object with an integer "step"')
                 rows[row["step"]] = row
     except UnicodeDecodeError as e:
         raise RunError(f"{path}: not UTF-8 text ({e})") from None
@@ -147,8 +154,9 @@ def newest_checkpoint_metadata(run_dir: str) -> str | None:
     ckpts = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(ckpts):
         return None
-    found = sorted(d for d in os.listdir(ckpts)
-                   if _STEP_DIR.match(d) and os.path.isfile(os.path.join(ckpts, d, "metadata.json")))
+    found = sorted(
+        d for d in os.listdir(ckpts) if _STEP_DIR.match(d) and os.path.isfile(os.path.join(ckpts, d, "metadata.json"))
+    )
     return os.path.join(ckpts, found[-1], "metadata.json") if found else None
 
 
@@ -160,8 +168,12 @@ def _tokens_per_step(config: dict) -> int | None:
 
 
 # metrics.jsonl's names before the train loop named them train/, eval/, throughput/: runs logged then still load
-OLD_NAMES = {"loss": "train/loss", "val_loss": "eval/loss", "tokens_per_s": "throughput/tokens_per_second",
-             "mfu": "throughput/mfu"}
+OLD_NAMES = {
+    "loss": "train/loss",
+    "val_loss": "eval/loss",
+    "tokens_per_s": "throughput/tokens_per_second",
+    "mfu": "throughput/mfu",
+}
 
 
 def load_run(path: str, label: str) -> Run:
@@ -199,10 +211,21 @@ def load_run(path: str, label: str) -> Run:
         return [x for x in (_float(r.get(key)) for r in rows) if math.isfinite(x)]
 
     val = [r for r in rows if "eval/loss" in r]
-    return Run(label=label, path=path, steps=[r["step"] for r in rows], loss=[_float(r.get("train/loss")) for r in rows],
-               val_steps=[r["step"] for r in val], val_loss=[_float(r["eval/loss"]) for r in val],
-               tokens_per_s=finite("throughput/tokens_per_second"), mfu=finite("throughput/mfu"),
-               tokens_per_step=tokens_per_step, config_source=source, params=params, rows=rows, peak=peak)
+    return Run(
+        label=label,
+        path=path,
+        steps=[r["step"] for r in rows],
+        loss=[_float(r.get("train/loss")) for r in rows],
+        val_steps=[r["step"] for r in val],
+        val_loss=[_float(r["eval/loss"]) for r in val],
+        tokens_per_s=finite("throughput/tokens_per_second"),
+        mfu=finite("throughput/mfu"),
+        tokens_per_step=tokens_per_step,
+        config_source=source,
+        params=params,
+        rows=rows,
+        peak=peak,
+    )
 
 
 def series(run: Run, metric: str) -> tuple[list[int], list[float]]:
@@ -227,19 +250,22 @@ def expand_metrics(runs: list[Run], wanted: list[str]) -> list[str]:
         out += [m for m in found if m not in out]
     return out
 
+
 def default_labels(paths: list[str]) -> list[str]:
     """Basenames; parent/basename for the runs whose basename is shared; made unique if still equal."""
     norm = [os.path.normpath(os.path.abspath(p)) for p in paths]
     base = [os.path.basename(p) for p in norm]
-    labels = [os.path.join(os.path.basename(os.path.dirname(p)), b) if base.count(b) > 1 else b
-              for p, b in zip(norm, base)]
+    labels = [
+        os.path.join(os.path.basename(os.path.dirname(p)), b) if base.count(b) > 1 else b for p, b in zip(norm, base)
+    ]
     out = []
     for i, lab in enumerate(labels):
-        out.append(lab if labels.count(lab) == 1 else f"{lab} #{labels[:i + 1].count(lab)}")
+        out.append(lab if labels.count(lab) == 1 else f"{lab} #{labels[: i + 1].count(lab)}")
     return out
 
 
 # ---------------------------------------------------------------- the picture and the table
+
 
 def _plot_y(values: list[float]) -> list[float]:
     return [v if math.isfinite(v) else math.nan for v in values]  # inf breaks autoscaling; NaN leaves a gap
@@ -266,16 +292,33 @@ def plot(runs: list[Run]):
         for ax, x, vx in panels:
             ax.plot(x, _plot_y(run.loss), "-", color=colour, linewidth=1.5, label=f"{run.label} train")
             if run.val_steps:
-                ax.plot(vx, _plot_y(run.val_loss), "--o", color=colour, linewidth=1.2, markersize=4,
-                        label=f"{run.label} val")
+                ax.plot(
+                    vx,
+                    _plot_y(run.val_loss),
+                    "--o",
+                    color=colour,
+                    linewidth=1.2,
+                    markersize=4,
+                    label=f"{run.label} val",
+                )
     by_step.set(title="loss against optimizer step", xlabel="optimizer step", ylabel="loss (cross-entropy, nats)")
-    by_tokens.set(title="loss against tokens seen", xlabel="tokens seen (step × batch_size × seq_len)",
-                  ylabel="loss (cross-entropy, nats)")
+    by_tokens.set(
+        title="loss against tokens seen",
+        xlabel="tokens seen (step × batch_size × seq_len)",
+        ylabel="loss (cross-entropy, nats)",
+    )
     by_step.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
     by_tokens.xaxis.set_major_formatter(EngFormatter())
     if missing:
-        by_tokens.text(0.02, 0.02, "no batch_size/seq_len (no config.json or checkpoint) for: " + ", ".join(missing),
-                       transform=by_tokens.transAxes, fontsize=8, color="0.3", va="bottom")
+        by_tokens.text(
+            0.02,
+            0.02,
+            "no batch_size/seq_len (no config.json or checkpoint) for: " + ", ".join(missing),
+            transform=by_tokens.transAxes,
+            fontsize=8,
+            color="0.3",
+            va="bottom",
+        )
     for ax in (by_step, by_tokens):
         ax.grid(True, alpha=0.3)
     by_step.legend(loc="upper right", fontsize=8)
@@ -305,20 +348,27 @@ def plot_metric(runs: list[Run], metric: str):
         if not steps:
             absent.append(run.label)
             continue
-        style = {"color": f"C{i % 10}", "linewidth": 1.5, "label": run.label, "markersize": 3,
-                 "marker": "o" if len(steps) < 30 else None}
+        style = {
+            "color": f"C{i % 10}",
+            "linewidth": 1.5,
+            "label": run.label,
+            "markersize": 3,
+            "marker": "o" if len(steps) < 30 else None,
+        }
         by_step.plot(steps, _plot_y(values), "-", **style)
         if run.tokens_per_step is None:
             no_tokens.append(run.label)
         else:
             by_tokens.plot(run.tokens(steps), _plot_y(values), "-", **style)
     by_step.set(title=f"{metric} against optimizer step", xlabel="optimizer step", ylabel=metric)
-    by_tokens.set(title=f"{metric} against tokens seen", xlabel="tokens seen (step × batch_size × seq_len)",
-                  ylabel=metric)
+    by_tokens.set(
+        title=f"{metric} against tokens seen", xlabel="tokens seen (step × batch_size × seq_len)", ylabel=metric
+    )
     by_step.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
     by_tokens.xaxis.set_major_formatter(EngFormatter())
-    notes = ([f"not logged by: {', '.join(absent)}"] if absent else []) + \
-        ([f"no batch_size/seq_len for: {', '.join(no_tokens)}"] if no_tokens else [])
+    notes = ([f"not logged by: {', '.join(absent)}"] if absent else []) + (
+        [f"no batch_size/seq_len for: {', '.join(no_tokens)}"] if no_tokens else []
+    )
     for ax in (by_step, by_tokens):
         ax.grid(True, alpha=0.3)
     if notes:
@@ -335,8 +385,12 @@ def summarize_metric(run: Run, metric: str) -> dict:
     steps, values = series(run, metric)
     finite = [(v, s) for v, s in zip(values, steps) if math.isfinite(v)]
     low = min(finite) if finite else None
-    return {"final": values[-1] if values else None, "final_step": steps[-1] if steps else None,
-            "min": low[0] if low else None, "min_step": low[1] if low else None}
+    return {
+        "final": values[-1] if values else None,
+        "final_step": steps[-1] if steps else None,
+        "min": low[0] if low else None,
+        "min_step": low[1] if low else None,
+    }
 
 
 def summarize(run: Run) -> dict:
@@ -391,31 +445,60 @@ def metrics_markdown(metrics: dict[str, list[dict]], labels: list[str]) -> list[
 
 
 def summary_markdown(summaries: list[dict], metrics: dict[str, list[dict]] | None = None) -> str:
-    head = ["run", "run dir", "last step", "final loss", "final val loss", "best val loss (step)",
-            "median tokens/s", "tokens/s vs first", "median MFU", "MFU's peak (GFLOP/s per device)", "total tokens",
-            "params"]
+    head = [
+        "run",
+        "run dir",
+        "last step",
+        "final loss",
+        "final val loss",
+        "best val loss (step)",
+        "median tokens/s",
+        "tokens/s vs first",
+        "median MFU",
+        "MFU's peak (GFLOP/s per device)",
+        "total tokens",
+        "params",
+    ]
     lines = ["# Run comparison", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     first = summaries[0]["median_tokens_per_s"] if summaries else None
     for s in summaries:
         best = "–" if s["best_val_loss"] is None else f"{s['best_val_loss']:.4f} ({s['best_val_step']})"
         vs = s["median_tokens_per_s"] / first if first and s["median_tokens_per_s"] is not None else None
         peak = None if s["peak_per_device"] is None else s["peak_per_device"] / 1e9
-        cells = [_cell(s["label"]), _cell(s["run_dir"], "`{}`"), _cell(s["last_step"]), _cell(s["final_loss"], "{:.4f}"),
-                 _cell(s["final_val_loss"], "{:.4f}"), best, _cell(s["median_tokens_per_s"], "{:,.0f}"),
-                 _cell(vs, "{:.2f}x"), _cell(s["median_mfu"], "{:.2%}"), _cell(peak, "{:,.1f}"),
-                 _cell(s["total_tokens"], "{:,}"), _params(s["params"])]
+        cells = [
+            _cell(s["label"]),
+            _cell(s["run_dir"], "`{}`"),
+            _cell(s["last_step"]),
+            _cell(s["final_loss"], "{:.4f}"),
+            _cell(s["final_val_loss"], "{:.4f}"),
+            best,
+            _cell(s["median_tokens_per_s"], "{:,.0f}"),
+            _cell(vs, "{:.2f}x"),
+            _cell(s["median_mfu"], "{:.2%}"),
+            _cell(peak, "{:,.1f}"),
+            _cell(s["total_tokens"], "{:,}"),
+            _params(s["params"]),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", TOKENS_NOTE,
-              "Medians are over the logged rows whose value is not NaN. Params come from the newest checkpoint's "
-              "`params.*` leaf shapes (– without a checkpoint)."]
+    lines += [
+        "",
+        TOKENS_NOTE,
+        "Medians are over the logged rows whose value is not NaN. Params come from the newest checkpoint's "
+        "`params.*` leaf shapes (– without a checkpoint).",
+    ]
     for s in summaries:
         if s["tokens_per_step"] is None:
-            lines.append(f"- **{s['label']}**: no config.json or checkpoint metadata with batch_size and seq_len in "
-                         f"`{s['run_dir']}`; the tokens axis is missing for this run (plotted against step only).")
+            lines.append(
+                f"- **{s['label']}**: no config.json or checkpoint metadata with batch_size and seq_len in "
+                f"`{s['run_dir']}`; the tokens axis is missing for this run (plotted against step only)."
+            )
     differ = peaks_differ(summaries)
     if differ:
-        lines += ["", f"**The runs' peaks differ** ({differ}): each run's MFU is against its own peak, so compare "
-                      "the runs by tokens/s (on the same hardware), not by MFU."]
+        lines += [
+            "",
+            f"**The runs' peaks differ** ({differ}): each run's MFU is against its own peak, so compare "
+            "the runs by tokens/s (on the same hardware), not by MFU.",
+        ]
     lines += metrics_markdown(metrics or {}, [s["label"] for s in summaries])
     return "\n".join(lines) + "\n"
 
@@ -433,9 +516,15 @@ def peaks_differ(summaries: list[dict]) -> str:
         return ""
     if len(known) == len(peaks) and max(known) <= min(known) * (1 + PEAK_TOLERANCE):
         return ""
-    return "; ".join(f"{s['label']}: " + ("not recorded" if p is None else f"{p / 1e9:,.1f} GFLOP/s per device"
-                                           + (f", {s['peak_source']}" if s["peak_source"] else ""))
-                     for s, p in zip(summaries, peaks))
+    return "; ".join(
+        f"{s['label']}: "
+        + (
+            "not recorded"
+            if p is None
+            else f"{p / 1e9:,.1f} GFLOP/s per device" + (f", {s['peak_source']}" if s["peak_source"] else "")
+        )
+        for s, p in zip(summaries, peaks)
+    )
 
 
 def compare(runs: list[str], out: str, labels: list[str] | None = None, metrics: list[str] = ()) -> dict:
@@ -458,8 +547,11 @@ def compare(runs: list[str], out: str, labels: list[str] | None = None, metrics:
                 print(f"warning: {r.path}: no {m} logged; it has no line in {metric_file(m)}", file=sys.stderr)
     for r in loaded:
         if r.tokens_per_step is None:
-            print(f"warning: {r.path}: no config.json or checkpoint metadata with batch_size and seq_len; "
-                  "the tokens axis is missing for this run", file=sys.stderr)
+            print(
+                f"warning: {r.path}: no config.json or checkpoint metadata with batch_size and seq_len; "
+                "the tokens axis is missing for this run",
+                file=sys.stderr,
+            )
     os.makedirs(out, exist_ok=True)
     png, md = os.path.join(out, PNG), os.path.join(out, MD)
     fig = plot(loaded)
@@ -470,8 +562,10 @@ def compare(runs: list[str], out: str, labels: list[str] | None = None, metrics:
         plot_metric(loaded, m).savefig(pictures[m], dpi=110)
     summaries = [summarize(r) for r in loaded]
     if peaks_differ(summaries):
-        print("warning: the runs' MFU are against different peaks (summary.md names them): compare them by tokens/s",
-              file=sys.stderr)
+        print(
+            "warning: the runs' MFU are against different peaks (summary.md names them): compare them by tokens/s",
+            file=sys.stderr,
+        )
     per_metric = {m: [summarize_metric(r, m) for r in loaded] for m in chosen}
     with open(md, "w", encoding="utf-8") as f:
         f.write(summary_markdown(summaries, per_metric))
@@ -480,14 +574,22 @@ def compare(runs: list[str], out: str, labels: list[str] | None = None, metrics:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="compare_runs.py", description=__doc__.split("\n\n")[0],
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+        prog="compare_runs.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("runs", nargs="+", metavar="RUN", help="run directory holding metrics.jsonl (from a train.py)")
     ap.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) folder for loss.png and summary.md")
     ap.add_argument("--labels", metavar="A,B,...", help="comma-separated legend labels, one per RUN")
-    ap.add_argument("--metric", action="append", default=[], metavar="NAME",
-                    help="also plot this logged metric (e.g. eval/bpb, or a pattern: 'eval/*/bpb') into "
-                         "OUT/NAME.png and add its final and lowest values to summary.md; repeatable")
+    ap.add_argument(
+        "--metric",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also plot this logged metric (e.g. eval/bpb, or a pattern: 'eval/*/bpb') into "
+        "OUT/NAME.png and add its final and lowest values to summary.md; repeatable",
+    )
     args = ap.parse_args(argv)
     labels = None
     if args.labels is not None:
@@ -496,8 +598,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --labels: {len(labels)} labels for {len(args.runs)} runs", file=sys.stderr)
             return 2
     if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
-        print(f"error: --out {args.out} exists and is not an empty folder; choose a new one (nothing is overwritten)",
-              file=sys.stderr)
+        print(
+            f"error: --out {args.out} exists and is not an empty folder; choose a new one (nothing is overwritten)",
+            file=sys.stderr,
+        )
         return 2
     try:
         result = compare(args.runs, args.out, labels, args.metric)

@@ -35,16 +35,27 @@ import time
 import urllib.parse
 
 KINDS = ("503", "reset", "delay")
-SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
-             b"<Message>Please reduce your request rate.</Message></Error>")
+SLOW_DOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message></Error>"
+)
 _HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade"}
 
 
 class FaultProxy:
     """The proxy's settings and counts; change `fail`, `kinds`, `delay_s` or `only` at any time."""
 
-    def __init__(self, upstream: str, *, fail: float = 0.0, kinds=KINDS, delay_s: float = 0.5, only: str = "",
-                 seed: int = 0, port: int = 0):
+    def __init__(
+        self,
+        upstream: str,
+        *,
+        fail: float = 0.0,
+        kinds=KINDS,
+        delay_s: float = 0.5,
+        only: str = "",
+        seed: int = 0,
+        port: int = 0,
+    ):
         u = urllib.parse.urlsplit(upstream)
         if u.scheme != "http" or not u.hostname:
             raise ValueError(f"--upstream {upstream!r}: expected http://HOST:PORT")
@@ -52,8 +63,10 @@ class FaultProxy:
         self.fail, self.kinds, self.delay_s, self.only = fail, tuple(kinds), delay_s, only
         bad = [k for k in self.kinds if k not in KINDS]
         if bad or not self.kinds or not 0.0 <= fail <= 1.0 or delay_s < 0:
-            raise ValueError(f"fail must be in [0, 1] (got {fail}), kinds a non-empty subset of {KINDS} (got "
-                             f"{self.kinds}), delay_s >= 0 (got {delay_s})")
+            raise ValueError(
+                f"fail must be in [0, 1] (got {fail}), kinds a non-empty subset of {KINDS} (got "
+                f"{self.kinds}), delay_s >= 0 (got {delay_s})"
+            )
         self.counts = {"requests": 0, **{k: 0 for k in KINDS}}
         self._rng, self._lock = random.Random(seed), threading.Lock()
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), _handler(self))
@@ -157,16 +170,27 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--upstream", required=True, help="the server to forward to: http://HOST:PORT")
     ap.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (0 = a free one)")
-    ap.add_argument("--fail", type=float, default=0.1,
-                    help="share of requests faulted, in [0, 1] (default 0.1); a delayed one still succeeds")
+    ap.add_argument(
+        "--fail",
+        type=float,
+        default=0.1,
+        help="share of requests faulted, in [0, 1] (default 0.1); a delayed one still succeeds",
+    )
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated faults to draw from: {', '.join(KINDS)}")
     ap.add_argument("--delay-s", type=float, default=0.5, help="how long a delayed request is held back (s)")
     ap.add_argument("--only", default="", help="fault only requests whose path matches this regular expression")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     try:
-        p = FaultProxy(args.upstream, fail=args.fail, kinds=args.kinds.split(","), delay_s=args.delay_s,
-                       only=args.only, seed=args.seed, port=args.port).start()
+        p = FaultProxy(
+            args.upstream,
+            fail=args.fail,
+            kinds=args.kinds.split(","),
+            delay_s=args.delay_s,
+            only=args.only,
+            seed=args.seed,
+            port=args.port,
+        ).start()
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -32,13 +32,20 @@ import jax  # noqa: E402
 from shared.variant import ROOT, discover, load  # noqa: E402
 
 STEPS = 3
-WORDS = ("def return class import self value index count list dict total items key data result "
-         "if else for while in not and or None True False print open read write").split()
+WORDS = (
+    "def return class import self value index count list dict total items key data result "
+    "if else for while in not and or None True False print open read write"
+).split()
 
 
 def versions() -> dict:
-    return {"jax": jax.__version__, "jaxlib": metadata.version("jaxlib"), "tokenizers": metadata.version("tokenizers"),
-            "machine": platform.machine(), "devices": jax.device_count()}
+    return {
+        "jax": jax.__version__,
+        "jaxlib": metadata.version("jaxlib"),
+        "tokenizers": metadata.version("tokenizers"),
+        "machine": platform.machine(),
+        "devices": jax.device_count(),
+    }
 
 
 def write_corpus(folder: str) -> str:
@@ -55,20 +62,36 @@ def first_losses(folder: str, corpus: str, run_dir: str, cache: str) -> dict:
     train = load(os.path.join(ROOT, folder, "train.py"))
     own = dict(train.CONTRACT_TINY)
     model = dataclasses.replace(train.TrainConfig().model, **own.pop("model", {}))
-    kw = dict(seq_len=32, batch_size=8, steps=STEPS, warmup_steps=0, mesh_data=-1, mesh_model=2, wandb="disabled",
-              eval_every=STEPS, eval_batches=1, log_every=1, sample_tokens=4, run_dir=run_dir)
+    kw = dict(
+        seq_len=32,
+        batch_size=8,
+        steps=STEPS,
+        warmup_steps=0,
+        mesh_data=-1,
+        mesh_model=2,
+        wandb="disabled",
+        eval_every=STEPS,
+        eval_batches=1,
+        log_every=1,
+        sample_tokens=4,
+        run_dir=run_dir,
+    )
     kw.update(own)
     data = train.data.DataConfig(source=corpus, val_fraction=0.1, cache_dir=cache)
     out = train.main(train.TrainConfig(model=model, data=data, **kw))
-    return {"losses": {str(k): float(v).hex() for k, v in sorted(out["losses"].items())},
-            "val_loss": float(out["val_loss"]).hex()}
+    return {
+        "losses": {str(k): float(v).hex() for k, v in sorted(out["losses"].items())},
+        "val_loss": float(out["val_loss"]).hex(),
+    }
 
 
 def measure() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         corpus = write_corpus(tmp)
-        return {f: first_losses(f, corpus, os.path.join(tmp, "runs", f.replace("/", "_")), os.path.join(tmp, "cache"))
-                for f in discover()}
+        return {
+            f: first_losses(f, corpus, os.path.join(tmp, "runs", f.replace("/", "_")), os.path.join(tmp, "cache"))
+            for f in discover()
+        }
 
 
 def main(argv=None) -> int:
@@ -91,8 +114,10 @@ def main(argv=None) -> int:
         return 0
     ref = json.load(open(args.check))
     if ref["versions"] != versions():
-        print(f"versions differ: the reference has {ref['versions']}, this machine {versions()}: not compared "
-              "(regenerate the reference with --write from the commit before a change)")
+        print(
+            f"versions differ: the reference has {ref['versions']}, this machine {versions()}: not compared "
+            "(regenerate the reference with --write from the commit before a change)"
+        )
         return 3
     got = measure()
     bad = []

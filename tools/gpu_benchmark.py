@@ -38,10 +38,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # variant, preset, rows per step on one device (tokens per step = rows x the preset's seq_len)
 JOBS = [
-    ("dense", "125m", 16),       # 16 x 2048 = 32k tokens
-    ("dense", "1b", 16),         # 32k
+    ("dense", "125m", 16),  # 16 x 2048 = 32k tokens
+    ("dense", "1b", 16),  # 32k
     ("swa_hybrid", "1b_8k", 4),  # 4 x 8192 = 32k
-    ("kda", "1b_8k", 4),         # 32k
+    ("kda", "1b_8k", 4),  # 32k
     ("moe_hero", "1b_a200m", 8),  # 8 x 4096 = 32k
 ]
 BACKENDS = ("cudnn", "flash4", "pallas", "reference")  # attention backends, in `auto`'s order
@@ -49,6 +49,7 @@ RESULT = "GPU_BENCHMARK_RESULT "
 
 
 # ---------------------------------------------------------------- one job (a child process)
+
 
 def run_job(variant: str, preset: str, rows: int, backend: str, steps: int, flags: list[str]) -> dict:
     """Compile and time `steps` train steps of one variant/preset/backend; the table's row."""
@@ -62,8 +63,16 @@ def run_job(variant: str, preset: str, rows: int, backend: str, steps: int, flag
     from shared import flops
 
     argv = (["--preset", preset] if preset else []) + [
-        "--batch_size", str(rows), "--grad_accum", "1", "--model.attention_backend", backend, "--wandb", "disabled",
-        *flags]
+        "--batch_size",
+        str(rows),
+        "--grad_accum",
+        "1",
+        "--model.attention_backend",
+        backend,
+        "--wandb",
+        "disabled",
+        *flags,
+    ]
     train, tc, mesh = setup(f"variants/{variant}", argv)
     batch = synthetic_batch(tc)
     with jax.set_mesh(mesh):
@@ -80,11 +89,20 @@ def run_job(variant: str, preset: str, rows: int, backend: str, steps: int, flag
     tok_s = tokens / wall
     peak, src = flops.device_peak(tc.model.compute_dtype)
     stats = jax.local_devices()[0].memory_stats() or {}
-    return {"variant": variant, "preset": preset or "(CPU default)", "backend": backend, "status": "ok",
-            "tokens_per_step": tokens, "step_s": wall, "tokens_per_s": tok_s,
-            "mfu": flops.mfu(train.model.flops_per_token(tc.model, tc.seq_len), tok_s, 1, peak), "peak_src": src,
-            "peak_mem_gib": stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None,
-            "compile_s": compile_s, "device": jax.devices()[0].device_kind}
+    return {
+        "variant": variant,
+        "preset": preset or "(CPU default)",
+        "backend": backend,
+        "status": "ok",
+        "tokens_per_step": tokens,
+        "step_s": wall,
+        "tokens_per_s": tok_s,
+        "mfu": flops.mfu(train.model.flops_per_token(tc.model, tc.seq_len), tok_s, 1, peak),
+        "peak_src": src,
+        "peak_mem_gib": stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None,
+        "compile_s": compile_s,
+        "device": jax.devices()[0].device_kind,
+    }
 
 
 def list_backends() -> dict:
@@ -93,11 +111,15 @@ def list_backends() -> dict:
 
     from shared import kernels
 
-    return {"usable": [b for b in BACKENDS if b in kernels.available_backends()],
-            "device": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform}
+    return {
+        "usable": [b for b in BACKENDS if b in kernels.available_backends()],
+        "device": jax.devices()[0].device_kind,
+        "platform": jax.devices()[0].platform,
+    }
 
 
 # ---------------------------------------------------------------- the parent: plan, run, table
+
 
 def plan(jobs, usable) -> list[tuple]:
     """(variant, preset, rows, backend) in run order: every preset with its first usable backend
@@ -110,8 +132,9 @@ def plan(jobs, usable) -> list[tuple]:
 def child(args: list[str], timeout: float) -> tuple[str, dict | None, str]:
     """Run this file with `args` in a fresh process group; (status, result or None, output tail)."""
     cmd = [sys.executable, os.path.abspath(__file__), *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=max(timeout, 1))
     except subprocess.TimeoutExpired:
@@ -120,7 +143,7 @@ def child(args: list[str], timeout: float) -> tuple[str, dict | None, str]:
         return "timeout", None, out[-2000:]
     for line in out.splitlines():
         if line.startswith(RESULT):
-            return "ok", json.loads(line[len(RESULT):]), out[-2000:]
+            return "ok", json.loads(line[len(RESULT) :]), out[-2000:]
     last = [ln for ln in out.splitlines() if ln.strip()]
     return "failed", None, (last[-1] if last else f"exit {proc.returncode}")
 
@@ -133,11 +156,23 @@ def table(rows: list[dict]) -> str:
     head = ["variant", "preset", "attention", "tokens/s", "MFU", "step (ms)", "peak mem (GiB)", "compile (s)", "status"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
-        lines.append("| " + " | ".join([
-            r["variant"], r["preset"], r["backend"], fmt(r.get("tokens_per_s"), ",.0f", "-"),
-            fmt(r.get("mfu"), ".1%", "-"), fmt(r.get("step_s") and r["step_s"] * 1e3, ".1f", "-"),
-            fmt(r.get("peak_mem_gib"), ".1f", "n/a" if r.get("status") == "ok" else "-"),
-            fmt(r.get("compile_s"), ".0f", "-"), r["status"]]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["variant"],
+                    r["preset"],
+                    r["backend"],
+                    fmt(r.get("tokens_per_s"), ",.0f", "-"),
+                    fmt(r.get("mfu"), ".1%", "-"),
+                    fmt(r.get("step_s") and r["step_s"] * 1e3, ".1f", "-"),
+                    fmt(r.get("peak_mem_gib"), ".1f", "n/a" if r.get("status") == "ok" else "-"),
+                    fmt(r.get("compile_s"), ".0f", "-"),
+                    r["status"],
+                ]
+            )
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -152,8 +187,10 @@ def parse_jobs(spec: str | None):
         if ":" not in item:
             found = [j for j in JOBS if j[0] == v]
             if not found:
-                raise ValueError(f"--jobs: no preset of {v!r} in the benchmark; known: "
-                                 f"{sorted({j[0] for j in JOBS})} (or 'variant:preset', 'variant:' for its CPU default)")
+                raise ValueError(
+                    f"--jobs: no preset of {v!r} in the benchmark; known: "
+                    f"{sorted({j[0] for j in JOBS})} (or 'variant:preset', 'variant:' for its CPU default)"
+                )
             out += found
             continue
         if not os.path.isfile(os.path.join(ROOT, "variants", v, "train.py")):
@@ -164,17 +201,30 @@ def parse_jobs(spec: str | None):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python tools/gpu_benchmark.py", description=__doc__.split("\n\n")[0],
-                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python tools/gpu_benchmark.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--out", default="", help="folder for results.jsonl, table.md and selfcheck.txt (default: none)")
     ap.add_argument("--budget", type=float, default=450, help="seconds for the whole run (default 450: 7.5 min)")
-    ap.add_argument("--job-timeout", type=float, default=100, help="seconds for one job, compile included (default 100)")
-    ap.add_argument("--selfcheck-timeout", type=float, default=120, help="seconds for the kernel self-check (default 120)")
+    ap.add_argument(
+        "--job-timeout", type=float, default=100, help="seconds for one job, compile included (default 100)"
+    )
+    ap.add_argument(
+        "--selfcheck-timeout", type=float, default=120, help="seconds for the kernel self-check (default 120)"
+    )
     ap.add_argument("--no-selfcheck", action="store_true", help="skip shared.kernels.selfcheck")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per job, after one compile step (default 5)")
-    ap.add_argument("--jobs", help="e.g. 'dense:125m,kda' (default: every preset in JOBS; 'dense:' = its CPU default; "
-                                   "'dense:125m:8' sets the rows)")
-    ap.add_argument("--backends", help=f"attention backends to try, comma-separated (default: every usable one of {BACKENDS})")
+    ap.add_argument(
+        "--jobs",
+        help="e.g. 'dense:125m,kda' (default: every preset in JOBS; 'dense:' = its CPU default; "
+        "'dense:125m:8' sets the rows)",
+    )
+    ap.add_argument(
+        "--backends", help=f"attention backends to try, comma-separated (default: every usable one of {BACKENDS})"
+    )
     ap.add_argument("--flags", default="", help="extra TrainConfig flags for every job, e.g. '--model.n_layers 2'")
     ap.add_argument("--dry-run", action="store_true", help="print the plan (jobs, backends, limits) and stop")
     ap.add_argument("--job", help=argparse.SUPPRESS)  # child mode: variant:preset:rows:backend
@@ -210,9 +260,11 @@ def main(argv=None) -> int:
 
     if a.dry_run:
         work = plan(jobs, wanted)
-        print(f"plan: {len(work)} jobs (attention backends {wanted}, those this machine cannot run are dropped "
-              f"when the run starts); budget {a.budget:.0f} s, {a.job_timeout:.0f} s a job, {a.steps} timed steps; "
-              f"self-check {'skipped' if a.no_selfcheck else f'first, {a.selfcheck_timeout:.0f} s'}")
+        print(
+            f"plan: {len(work)} jobs (attention backends {wanted}, those this machine cannot run are dropped "
+            f"when the run starts); budget {a.budget:.0f} s, {a.job_timeout:.0f} s a job, {a.steps} timed steps; "
+            f"self-check {'skipped' if a.no_selfcheck else f'first, {a.selfcheck_timeout:.0f} s'}"
+        )
         for v, p, r, b in work:
             print(f"  {v:<11} {p or '(CPU default)':<14} {r:>3} rows  attention={b}")
         return 0
@@ -221,8 +273,14 @@ def main(argv=None) -> int:
     if not a.no_selfcheck:
         t = min(a.selfcheck_timeout, left())
         print(f"== kernel self-check (limit {t:.0f} s)", flush=True)
-        proc = subprocess.Popen([sys.executable, "-m", "shared.kernels.selfcheck"], cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "shared.kernels.selfcheck"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         try:
             out, _ = proc.communicate(timeout=t)
             status = "ok" if proc.returncode == 0 else f"FAILED (exit {proc.returncode})"
@@ -241,8 +299,11 @@ def main(argv=None) -> int:
         print(f"error: could not list the attention backends ({status}): {tail}", file=sys.stderr)
         return 1
     usable = [b for b in wanted if b in info["usable"]]
-    print(f"== {info['device']} ({info['platform']}); attention backends: {usable} "
-          f"(of {wanted}; {left():.0f} s of the budget left)", flush=True)
+    print(
+        f"== {info['device']} ({info['platform']}); attention backends: {usable} "
+        f"(of {wanted}; {left():.0f} s of the budget left)",
+        flush=True,
+    )
     rows = []
     for v, p, r, b in plan(jobs, usable):
         t = min(a.job_timeout, left())
@@ -251,14 +312,20 @@ def main(argv=None) -> int:
             continue
         t0 = time.monotonic()
         status, res, tail = child(["--job", f"{v}:{p}:{r}:{b}", "--steps", str(a.steps), "--flags", a.flags], t)
-        row = res or {"variant": v, "preset": p or "(CPU default)", "backend": b,
-                      "status": f"{status}: {tail.strip().splitlines()[-1][:120] if tail.strip() else ''}"}
+        row = res or {
+            "variant": v,
+            "preset": p or "(CPU default)",
+            "backend": b,
+            "status": f"{status}: {tail.strip().splitlines()[-1][:120] if tail.strip() else ''}",
+        }
         failed |= res is None
         rows.append(row)
         print(f"   {v} {p or '(CPU default)'} {b}: {row['status']} ({time.monotonic() - t0:.0f} s)", flush=True)
     text = table(rows)
-    note = (f"{info['device']}, one device; batch rows per job as in tools/gpu_benchmark.py JOBS; "
-            f"{a.steps} timed steps after one compile step; MFU against {rows[0].get('peak_src', 'the data-sheet peak') if rows else ''}.")
+    note = (
+        f"{info['device']}, one device; batch rows per job as in tools/gpu_benchmark.py JOBS; "
+        f"{a.steps} timed steps after one compile step; MFU against {rows[0].get('peak_src', 'the data-sheet peak') if rows else ''}."
+    )
     print("\n" + text + "\n\n" + note)
     if a.out:
         with open(os.path.join(a.out, "results.jsonl"), "w") as f:

@@ -57,7 +57,7 @@ def cycles(g: dict[str, set[str]]) -> list[list[str]]:
         stack.append(u)
         for v in sorted(g[u]):
             if state.get(v) == 1:
-                found.append(stack[stack.index(v):] + [v])
+                found.append(stack[stack.index(v) :] + [v])
             elif not state.get(v):
                 visit(v, stack)
         stack.pop()
@@ -71,6 +71,7 @@ def cycles(g: dict[str, set[str]]) -> list[list[str]]:
 
 def longest_chain(g: dict[str, set[str]]) -> list[str]:
     """The longest chain of imports (the graph must have no cycle)."""
+
     @functools.cache
     def chain(u):
         return max(([u] + chain(v) for v in g[u]), key=len, default=[u])

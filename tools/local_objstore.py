@@ -112,11 +112,21 @@ def s3_server():
     """moto's S3 server on a free port of 127.0.0.1, with fake credentials in the environment."""
     port = _free_port()
     endpoint = f"http://127.0.0.1:{port}"
-    with _process([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                  f"{endpoint}/moto-api/", "moto S3 server"):
-        with _env({"AWS_ACCESS_KEY_ID": "stencil-test", "AWS_SECRET_ACCESS_KEY": "stencil-test",
-                   "AWS_REGION": "us-east-1", "AWS_ENDPOINT_URL_S3": endpoint,
-                   "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}):
+    with _process(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        f"{endpoint}/moto-api/",
+        "moto S3 server",
+    ):
+        with _env(
+            {
+                "AWS_ACCESS_KEY_ID": "stencil-test",
+                "AWS_SECRET_ACCESS_KEY": "stencil-test",
+                "AWS_REGION": "us-east-1",
+                "AWS_ENDPOINT_URL_S3": endpoint,
+                "AWS_CONFIG_FILE": os.devnull,
+                "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+            }
+        ):
             yield S3(endpoint)
 
 
@@ -127,8 +137,24 @@ def gcs_server():
 
     port = _free_port()
     endpoint = f"http://127.0.0.1:{port}"
-    with _process([str(_get_binary_path()), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
-                   "-port", str(port), "-external-url", endpoint, "-log-level", "error"],
-                  f"{endpoint}/storage/v1/b", "fake-gcs-server"):
+    with _process(
+        [
+            str(_get_binary_path()),
+            "-scheme",
+            "http",
+            "-backend",
+            "memory",
+            "-host",
+            "127.0.0.1",
+            "-port",
+            str(port),
+            "-external-url",
+            endpoint,
+            "-log-level",
+            "error",
+        ],
+        f"{endpoint}/storage/v1/b",
+        "fake-gcs-server",
+    ):
         with _env({"TENSORSTORE_GCS_HTTP_URL": endpoint, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "stencil-test"}):
             yield GCS(endpoint)

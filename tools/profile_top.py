@@ -25,16 +25,26 @@ import re
 import sys
 
 # components of an op_name that JAX's transformations add, not the model's scopes
-_WRAPPERS = {"while", "body", "cond", "closed_call", "checkpoint", "rematted_computation", "remat", "scan",
-             "branch_0_fun", "branch_1_fun"}
+_WRAPPERS = {
+    "while",
+    "body",
+    "cond",
+    "closed_call",
+    "checkpoint",
+    "rematted_computation",
+    "remat",
+    "scan",
+    "branch_0_fun",
+    "branch_1_fun",
+}
 
 
 def scope_of(op_name: str) -> str:
-    """"jit(train_step)/while/body/transpose(jvp())/layer/attention/dot_general" -> "layer/attention (bwd)"."""
+    """ "jit(train_step)/while/body/transpose(jvp())/layer/attention/dot_general" -> "layer/attention (bwd)"."""
     parts = []
     for p in op_name.split("/")[1:-1]:  # not jit(<function>), nor the primitive at the end
         while p.endswith(")") and "(" in p:  # a scope seen through a transformation: jvp(loss) is loss
-            p = p[p.index("(") + 1:-1]
+            p = p[p.index("(") + 1 : -1]
         if p and p not in _WRAPPERS:
             parts.append(p)
     return "/".join(parts) + (" (bwd)" if "transpose(" in op_name else "")
@@ -84,8 +94,9 @@ def self_times(path: str) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     ap.add_argument("directory", help="a profile directory (<run_dir>/profile) or any folder above a trace")
     ap.add_argument("--top", type=int, default=20, help="rows of the op table (default 20)")
     ap.add_argument("--csv", default="", help="also write every op's row to this CSV file")
@@ -106,7 +117,9 @@ def main(argv=None) -> int:
     print(f"{path}: {len(rows)} ops, {total / 1e6:.1f} ms of op self time\n")
     print(f"{'self ms':>9} {'%':>6} {'calls':>6}  {'op':<44} scope")
     for r in rows[: args.top]:
-        print(f"{r['self_ns'] / 1e6:9.2f} {100 * r['self_ns'] / total:5.1f}% {r['calls']:6d}  {r['op'][:44]:<44} {r['scope']}")
+        print(
+            f"{r['self_ns'] / 1e6:9.2f} {100 * r['self_ns'] / total:5.1f}% {r['calls']:6d}  {r['op'][:44]:<44} {r['scope']}"
+        )
     by_scope = collections.Counter()
     for r in rows:
         by_scope[r["scope"] or "(no scope)"] += r["self_ns"]

@@ -119,6 +119,7 @@ class UsageError(Exception):
 
 # ---------------------------------------------------------------- git
 
+
 def git(root: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     """Run git in `root` (bytes out)."""
     p = subprocess.run(["git", *args], cwd=root, capture_output=True)
@@ -158,9 +159,10 @@ def dirty(root: str, path: str) -> bool:
 @dataclasses.dataclass
 class Change:
     """The parent's change: for each file (path inside FOLDER), (before, after); None = absent."""
-    describe: str        # "working tree vs HEAD", "abc1234..def5678", "commit abc1234"
-    before_name: str     # for labels: "HEAD", "abc1234"
-    after_name: str      # "working tree", "def5678"
+
+    describe: str  # "working tree vs HEAD", "abc1234..def5678", "commit abc1234"
+    before_name: str  # for labels: "HEAD", "abc1234"
+    after_name: str  # "working tree", "def5678"
     files: dict[str, tuple[bytes | None, bytes | None]]
 
 
@@ -203,6 +205,7 @@ def read_change(root: str, folder: str, rev: str | None) -> Change:
 
 # ---------------------------------------------------------------- merging and the diverged check
 
+
 def lines_of(data: bytes) -> list[str]:
     return data.decode("utf-8", "replace").splitlines(keepends=True)
 
@@ -238,19 +241,24 @@ def diverged(base: list[str], theirs: list[str], ours: list[str], context: int) 
             if not near:
                 continue
             if d2 > d1 and o2 > o1:
-                found.append(f"diverged: lines {span(d1, d2)} of the descendant differ from "
-                             f"the parent's old lines {span(o1, o2)}")
+                found.append(
+                    f"diverged: lines {span(d1, d2)} of the descendant differ from "
+                    f"the parent's old lines {span(o1, o2)}"
+                )
             elif d2 > d1:
-                found.append(f"diverged: lines {span(d1, d2)} of the descendant are its own, "
-                             f"added after the parent's old line {o1}")
+                found.append(
+                    f"diverged: lines {span(d1, d2)} of the descendant are its own, "
+                    f"added after the parent's old line {o1}"
+                )
             else:
-                found.append(f"diverged: the descendant lacks the parent's old lines {span(o1, o2)} "
-                             f"(deleted after its line {d1})")
+                found.append(
+                    f"diverged: the descendant lacks the parent's old lines {span(o1, o2)} "
+                    f"(deleted after its line {d1})"
+                )
         if found:
             notes += [f"{head}: {f}" for f in found]
         else:
-            notes.append(f"{head}: the descendant matches the parent's old lines there "
-                         f"(within {context} lines)")
+            notes.append(f"{head}: the descendant matches the parent's old lines there (within {context} lines)")
     return notes
 
 
@@ -263,9 +271,10 @@ def merge(ours: bytes, base: bytes, theirs: bytes, labels: tuple[str, str, str])
             with open(p, "wb") as f:
                 f.write(data)
             paths.append(p)
-        p = subprocess.run(["git", "merge-file", "-p", "--diff3",
-                            "-L", labels[0], "-L", labels[1], "-L", labels[2], *paths],
-                           capture_output=True)
+        p = subprocess.run(
+            ["git", "merge-file", "-p", "--diff3", "-L", labels[0], "-L", labels[1], "-L", labels[2], *paths],
+            capture_output=True,
+        )
     if p.returncode >= 128 or p.returncode < 0:
         return -1, p.stderr
     return p.returncode, p.stdout
@@ -287,13 +296,13 @@ def conflict_hunks(merged: bytes) -> list[tuple[int, list[str]]]:
 
 @dataclasses.dataclass
 class FileResult:
-    path: str                      # inside the folder
-    verdict: str                   # clean / already / conflict / missing / skipped
-    detail: str = ""               # why skipped, etc.
+    path: str  # inside the folder
+    verdict: str  # clean / already / conflict / missing / skipped
+    detail: str = ""  # why skipped, etc.
     n_conflicts: int = 0
     conflicts: list = dataclasses.field(default_factory=list)
     notes: list = dataclasses.field(default_factory=list)
-    written: str = ""              # what --apply did
+    written: str = ""  # what --apply did
 
 
 @dataclasses.dataclass
@@ -323,8 +332,9 @@ def lineage(repo, folder: str) -> list[tuple[str, list[str]]]:
     return out
 
 
-def propagate_file(root: str, folder: str, desc: str, rel: str, before: bytes | None,
-                   after: bytes | None, change: Change, args) -> FileResult:
+def propagate_file(
+    root: str, folder: str, desc: str, rel: str, before: bytes | None, after: bytes | None, change: Change, args
+) -> FileResult:
     path = f"{desc}/{rel}"
     ours = read(root, path)
     if ours is None:
@@ -332,8 +342,11 @@ def propagate_file(root: str, folder: str, desc: str, rel: str, before: bytes | 
     if after is None:
         return FileResult(rel, "skipped", f"the parent deleted {folder}/{rel}; delete or keep it by hand")
     if before is None and ours != after:
-        return FileResult(rel, "skipped", f"the parent added {folder}/{rel}, but {path} already exists "
-                                          f"with other contents; compare by hand")
+        return FileResult(
+            rel,
+            "skipped",
+            f"the parent added {folder}/{rel}, but {path} already exists with other contents; compare by hand",
+        )
     base = before if before is not None else b""
     labels = (f"{path} (descendant)", f"{folder}/{rel} before", f"{folder}/{rel} after")
     n, merged = merge(ours, base, after, labels)
@@ -364,6 +377,7 @@ def propagate_file(root: str, folder: str, desc: str, rel: str, before: bytes | 
 
 # ---------------------------------------------------------------- output
 
+
 def verdict_line(r: FileResult) -> str:
     if r.verdict == "clean":
         return "clean (would write)" if r.written.startswith("dry run") else f"clean; {r.written}"
@@ -380,14 +394,19 @@ def render(folder: str, change: Change, results: list[FolderResult], args, md: b
     files = ", ".join(change.files)
     mode = "apply" if args.apply else "dry run (nothing written; --apply writes clean merges)"
     if md:
-        out += [f"# propagate {folder}", "",
-                f"- change: {change.describe} ({len(change.files)} file(s): {files})",
-                f"- mode: {mode}",
-                f"- descendants, in lineage order: {', '.join(r.folder for r in results) or 'none'}"]
+        out += [
+            f"# propagate {folder}",
+            "",
+            f"- change: {change.describe} ({len(change.files)} file(s): {files})",
+            f"- mode: {mode}",
+            f"- descendants, in lineage order: {', '.join(r.folder for r in results) or 'none'}",
+        ]
     else:
-        out += [f"propagate {folder}: {change.describe} ({len(change.files)} file(s): {files})",
-                f"mode: {mode}",
-                f"descendants, in lineage order: {', '.join(r.folder for r in results) or 'none'}"]
+        out += [
+            f"propagate {folder}: {change.describe} ({len(change.files)} file(s): {files})",
+            f"mode: {mode}",
+            f"descendants, in lineage order: {', '.join(r.folder for r in results) or 'none'}",
+        ]
     for fr in results:
         chain = " -> ".join(fr.chain)
         out += ["", f"## {fr.folder}", "", f"lineage: {chain}", ""] if md else ["", f"== {fr.folder}  ({chain})"]
@@ -408,33 +427,47 @@ def render(folder: str, change: Change, results: list[FolderResult], args, md: b
     for fr in results:
         for r in fr.files:
             counts[r.verdict] = counts.get(r.verdict, 0) + 1
-    summary = ", ".join(f"{v} {counts[v]}" for v in ("clean", "already", "conflict", "missing", "skipped")
-                        if v in counts) or "nothing to do"
+    summary = (
+        ", ".join(f"{v} {counts[v]}" for v in ("clean", "already", "conflict", "missing", "skipped") if v in counts)
+        or "nothing to do"
+    )
     out += ["", f"summary: {summary}" + (f" -- {n_conf} file(s) with conflicts" if n_conf else "")]
     return "\n".join(out) + "\n"
 
 
 # ---------------------------------------------------------------- main
 
+
 def parse_args(argv):
     ap = argparse.ArgumentParser(
         prog="propagate.py",
         description="Carry a change to a parent folder's files into every descendant folder "
-                    "(declared by COPIED_FROM), by a three-way merge per file (git merge-file). "
-                    "Dry run unless --apply.",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "(declared by COPIED_FROM), by a three-way merge per file (git merge-file). "
+        "Dry run unless --apply.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("folder", help="the parent folder whose change is carried, e.g. templates/base")
-    ap.add_argument("--rev", help="A..B (base = A, after = B) or REV (the change made by commit REV); "
-                                  "default: the folder's uncommitted changes against HEAD")
+    ap.add_argument(
+        "--rev",
+        help="A..B (base = A, after = B) or REV (the change made by commit REV); "
+        "default: the folder's uncommitted changes against HEAD",
+    )
     ap.add_argument("--files", help="comma-separated paths inside FOLDER to carry (default: every changed file)")
     ap.add_argument("--to", help="comma-separated descendant folders to carry into (default: all)")
     ap.add_argument("--apply", action="store_true", help="write the clean merges into the working tree")
-    ap.add_argument("--write-conflicts", action="store_true",
-                    help="with --apply, also write conflicting files, with diff3 markers")
-    ap.add_argument("--force", action="store_true",
-                    help="with --apply, write even over a descendant file with uncommitted changes")
-    ap.add_argument("--context", type=int, default=CONTEXT,
-                    help=f"lines either side of a parent hunk for the diverged check (default {CONTEXT})")
+    ap.add_argument(
+        "--write-conflicts", action="store_true", help="with --apply, also write conflicting files, with diff3 markers"
+    )
+    ap.add_argument(
+        "--force", action="store_true", help="with --apply, write even over a descendant file with uncommitted changes"
+    )
+    ap.add_argument(
+        "--context",
+        type=int,
+        default=CONTEXT,
+        help=f"lines either side of a parent hunk for the diverged check (default {CONTEXT})",
+    )
     ap.add_argument("--out", help="also write DIR/report.md (Markdown, same content)")
     ap.add_argument("--root", default=ROOT, help="repository root (default: the repo holding this tool)")
     return ap.parse_args(argv)
@@ -462,8 +495,10 @@ def run(args) -> int:
         want = [norm_folder(f) for f in args.files.split(",") if f.strip()]
         bad = [f for f in want if f not in change.files]
         if bad:
-            raise UsageError(f"--files {','.join(bad)}: not changed in {folder} by {change.describe} "
-                             f"(changed: {', '.join(change.files) or 'nothing'})")
+            raise UsageError(
+                f"--files {','.join(bad)}: not changed in {folder} by {change.describe} "
+                f"(changed: {', '.join(change.files) or 'nothing'})"
+            )
         change.files = {f: change.files[f] for f in want}
     if not change.files:
         raise UsageError(f"no change to {folder}/ found ({change.describe})")
@@ -473,8 +508,10 @@ def run(args) -> int:
         known = {d for d, _ in order}
         bad = [t for t in want if t not in known]
         if bad:
-            raise UsageError(f"--to {','.join(bad)}: not a descendant of {folder} "
-                             f"(descendants: {', '.join(d for d, _ in order) or 'none'})")
+            raise UsageError(
+                f"--to {','.join(bad)}: not a descendant of {folder} "
+                f"(descendants: {', '.join(d for d, _ in order) or 'none'})"
+            )
         order = [(d, ch) for d, ch in order if d in want]
     results = []
     for desc, chain in order:

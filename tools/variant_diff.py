@@ -102,6 +102,7 @@ class UsageError(Exception):
 
 # ---------------------------------------------------------------- reading folders
 
+
 def read_copied_from(model_py: str) -> tuple[str | None, str | None]:
     """(COPIED_FROM value, problem). The value is a folder like "variants/dense" or None."""
     try:
@@ -183,7 +184,8 @@ class Repo:
         self._files: dict[str, dict[str, list[str]]] = {}
         self._dist: dict[tuple[str, str, bool], int] = {}
         self.parents: dict[str, tuple[str | None, str | None]] = {
-            f: read_copied_from(os.path.join(self.root, f, "model.py")) for f in self.folders}
+            f: read_copied_from(os.path.join(self.root, f, "model.py")) for f in self.folders
+        }
 
     def exists(self, folder: str | None) -> bool:
         return folder in self.parents
@@ -269,6 +271,7 @@ class Repo:
 
 # ---------------------------------------------------------------- comparing
 
+
 @dataclasses.dataclass(frozen=True)
 class Entry:
     """One file of a comparison: old is the parent side, new the variant side."""
@@ -309,8 +312,10 @@ def compare(old: dict[str, list[str]], new: dict[str, list[str]]) -> list[Entry]
         add, rem = line_changes(old[p], new[p])
         out.append(Entry("modified" if add or rem else "unchanged", p, p, add, rem))
     gone, came = sorted(old.keys() - new.keys()), sorted(new.keys() - old.keys())
-    pairs = sorted(((s, o, n) for o in gone for n in came if (s := similarity(old[o], new[n])) >= RENAME_MIN),
-                   key=lambda t: (-t[0], t[1], t[2]))
+    pairs = sorted(
+        ((s, o, n) for o in gone for n in came if (s := similarity(old[o], new[n])) >= RENAME_MIN),
+        key=lambda t: (-t[0], t[1], t[2]),
+    )
     for s, o, n in pairs:
         if o in gone and n in came:
             gone.remove(o)
@@ -327,6 +332,7 @@ def total(entries: list[Entry]) -> int:
 
 
 # ---------------------------------------------------------------- the analysis
+
 
 @dataclasses.dataclass
 class Report:
@@ -363,14 +369,18 @@ def analyse(repo: Repo, folder: str, margin: float, slack: int) -> Report:
     pd = po = None
     within = False
     if declared is None and problem is None and folder != LINEAGE_ROOT:
-        warnings.append(f"COPIED_FROM = None, but only {LINEAGE_ROOT} is the root of the lineage; "
-                        "name the folder this one was copied from")
+        warnings.append(
+            f"COPIED_FROM = None, but only {LINEAGE_ROOT} is the root of the lineage; "
+            "name the folder this one was copied from"
+        )
     if declared is not None:
         if declared == folder:
             warnings.append("COPIED_FROM names this folder itself")
         elif not repo.exists(declared):
-            warnings.append(f"declared parent {declared!r} does not exist (no {declared}/model.py)"
-                            + (f"; the nearest folder by code is {nearest}" if nearest else ""))
+            warnings.append(
+                f"declared parent {declared!r} does not exist (no {declared}/model.py)"
+                + (f"; the nearest folder by code is {nearest}" if nearest else "")
+            )
         else:
             pd = repo.distance(folder, declared)
             po = repo.distance(folder, declared, code=False)
@@ -383,8 +393,9 @@ def analyse(repo: Repo, folder: str, margin: float, slack: int) -> Report:
                     warnings.append(
                         f"declared parent {declared} is {pd} changed lines of code away (model.py, train.py, hf.py), but "
                         f"{nearest} is only {nd} (the limit is {margin:g} x {nd} + {slack} = {limit:g}): if this "
-                        f"folder was copied from {nearest}, set COPIED_FROM = \"{nearest}\" in {folder}/model.py; "
-                        f"if {nearest} was copied from this folder, its COPIED_FROM should name {folder}")
+                        f'folder was copied from {nearest}, set COPIED_FROM = "{nearest}" in {folder}/model.py; '
+                        f"if {nearest} was copied from this folder, its COPIED_FROM should name {folder}"
+                    )
                 else:
                     within = True
     base = declared if declared is not None and declared != folder and repo.exists(declared) else nearest
@@ -398,19 +409,25 @@ def analyse(repo: Repo, folder: str, margin: float, slack: int) -> Report:
         pct = 100.0 * nd / both if both else 0.0
     tests = tests_path(folder, repo.root)
     tests = tests if os.path.isfile(os.path.join(repo.root, tests)) else None
-    return Report(folder, declared, nearest, nd, pd, po, base, code_entries, other_entries, warnings, pct,
-                  within, tests)
+    return Report(
+        folder, declared, nearest, nd, pd, po, base, code_entries, other_entries, warnings, pct, within, tests
+    )
 
 
 def check_word(r: Report) -> str:
-    """"ok" only when the declared parent is the nearest folder by code (or this is the root)."""
+    """ "ok" only when the declared parent is the nearest folder by code (or this is the root)."""
     if not r.warnings:
         return "within margin" if r.within_margin else "ok"
     w = r.warnings[0]
     more = f" (+{len(r.warnings) - 1})" if len(r.warnings) > 1 else ""
-    for key, word in (("does not exist", "parent missing"), ("lines of code away", "parent far"),
-                      ("cycle", "cycle"), ("COPIED_FROM = None", "no parent"), ("itself", "self parent"),
-                      ("no other folder", "alone")):
+    for key, word in (
+        ("does not exist", "parent missing"),
+        ("lines of code away", "parent far"),
+        ("cycle", "cycle"),
+        ("COPIED_FROM = None", "no parent"),
+        ("itself", "self parent"),
+        ("no other folder", "alone"),
+    ):
         if key in w:
             return word + more
     return "COPIED_FROM" + more
@@ -423,12 +440,30 @@ def dist_text(d: int | None, pct: float | None = None) -> str:
 
 
 def table_rows(reports: list[Report]) -> list[list[str]]:
-    rows = [["variant", "declared parent", "nearest by code", "code distance", "code to parent",
-             "other files to parent", "check"]]
+    rows = [
+        [
+            "variant",
+            "declared parent",
+            "nearest by code",
+            "code distance",
+            "code to parent",
+            "other files to parent",
+            "check",
+        ]
+    ]
     for r in reports:
         parent = "(root)" if r.declared is None and r.folder == LINEAGE_ROOT and not r.warnings else (r.declared or "-")
-        rows.append([r.folder, parent, r.nearest or "-", dist_text(r.nearest_distance, r.percent),
-                     dist_text(r.parent_distance), dist_text(r.parent_other), check_word(r)])
+        rows.append(
+            [
+                r.folder,
+                parent,
+                r.nearest or "-",
+                dist_text(r.nearest_distance, r.percent),
+                dist_text(r.parent_distance),
+                dist_text(r.parent_other),
+                check_word(r),
+            ]
+        )
     return rows
 
 
@@ -440,6 +475,7 @@ def render_table(rows: list[list[str]]) -> str:
 
 
 # ---------------------------------------------------------------- files outside the folders (--since)
+
 
 @dataclasses.dataclass(frozen=True)
 class Outside:
@@ -454,6 +490,7 @@ class Outside:
 
 
 # ---------------------------------------------------------------- rendering
+
 
 def page_name(folder: str) -> str:
     return folder.replace("/", "__") + ".html"
@@ -480,9 +517,12 @@ def unified(repo: Repo, r: Report, entries: list[Entry] | None = None) -> list[s
     for e in r.entries if entries is None else entries:
         if e.status == "unchanged":
             continue
-        lines += diff_lines(old.get(e.old, []) if e.old else [], new.get(e.new, []) if e.new else [],
-                            f"{r.base}/{e.old}" if e.old else "/dev/null",
-                            f"{r.folder}/{e.new}" if e.new else "/dev/null")
+        lines += diff_lines(
+            old.get(e.old, []) if e.old else [],
+            new.get(e.new, []) if e.new else [],
+            f"{r.base}/{e.old}" if e.old else "/dev/null",
+            f"{r.folder}/{e.new}" if e.new else "/dev/null",
+        )
     return lines
 
 
@@ -501,10 +541,15 @@ def entry_row(e: Entry) -> list[str]:
 def _details(summary: str, lines: list[str], max_lines: int, lang: str, elsewhere: str) -> list[str]:
     """A collapsed fenced block of `lines`, cut at max_lines."""
     shown = lines[:max_lines]
-    more = (f"\n… {len(lines) - len(shown)} more lines; {elsewhere} has all of it\n"
-            if len(lines) > len(shown) else "")
-    return [f"<details><summary>{summary} ({len(lines)} lines)</summary>", "",
-            _fence("".join(shown), lang) + more, "", "</details>", ""]
+    more = f"\n… {len(lines) - len(shown)} more lines; {elsewhere} has all of it\n" if len(lines) > len(shown) else ""
+    return [
+        f"<details><summary>{summary} ({len(lines)} lines)</summary>",
+        "",
+        _fence("".join(shown), lang) + more,
+        "",
+        "</details>",
+        "",
+    ]
 
 
 def _kinds_text(entries: list[Entry]) -> str:
@@ -522,44 +567,70 @@ def render_section(repo: Repo, r: Report, with_diff: bool, max_diff_lines: int, 
         out.append(f"> **warning:** {w}")
     if r.warnings:
         out.append("")
-    declared = "`(root)`" if r.declared is None and r.folder == LINEAGE_ROOT else \
-        (f"`{r.declared}`" if r.declared else "none")
-    out.append(f"- declared parent (COPIED_FROM in model.py): {declared}"
-               + (f", {r.parent_distance} changed lines of code" if r.parent_distance is not None else ""))
-    out.append(f"- nearest sibling by code (model.py, train.py, hf.py): `{r.nearest}`, "
-               f"{dist_text(r.nearest_distance, r.percent)} changed lines" if r.nearest else "- nearest sibling: none")
+    declared = (
+        "`(root)`" if r.declared is None and r.folder == LINEAGE_ROOT else (f"`{r.declared}`" if r.declared else "none")
+    )
+    out.append(
+        f"- declared parent (COPIED_FROM in model.py): {declared}"
+        + (f", {r.parent_distance} changed lines of code" if r.parent_distance is not None else "")
+    )
+    out.append(
+        f"- nearest sibling by code (model.py, train.py, hf.py): `{r.nearest}`, "
+        f"{dist_text(r.nearest_distance, r.percent)} changed lines"
+        if r.nearest
+        else "- nearest sibling: none"
+    )
     if r.within_margin:
-        out.append(f"- check: within margin: `{r.nearest}` is nearer by code than the declared parent, but not by "
-                   "more than --margin x (its distance) + --slack")
+        out.append(
+            f"- check: within margin: `{r.nearest}` is nearer by code than the declared parent, but not by "
+            "more than --margin x (its distance) + --slack"
+        )
     else:
         out.append(f"- check: {check_word(r)}")
     tests_lines = read_lines(os.path.join(repo.root, r.tests)) if r.tests else []
-    out.append(f"- own tests: `{r.tests}` ({len(tests_lines)} lines)" if r.tests else
-               f"- own tests: none (no `{tests_path(r.folder, repo.root)}`)")
+    out.append(
+        f"- own tests: `{r.tests}` ({len(tests_lines)} lines)"
+        if r.tests
+        else f"- own tests: none (no `{tests_path(r.folder, repo.root)}`)"
+    )
     tests_block = []
     if show_tests and r.tests and with_diff:
-        tests_block = ["#### The variant's own tests", "",
-                       *_details(f"<code>{html.escape(r.tests)}</code> in full", tests_lines, max_diff_lines,
-                                 "python", "the HTML page")]
+        tests_block = [
+            "#### The variant's own tests",
+            "",
+            *_details(
+                f"<code>{html.escape(r.tests)}</code> in full", tests_lines, max_diff_lines, "python", "the HTML page"
+            ),
+        ]
     if r.base is None:
         if r.folder == LINEAGE_ROOT:
-            out.append(f"- the root of the lineage has no parent to compare with: review its change with "
-                       f"`git diff <base revision> -- {LINEAGE_ROOT}`")
+            out.append(
+                f"- the root of the lineage has no parent to compare with: review its change with "
+                f"`git diff <base revision> -- {LINEAGE_ROOT}`"
+            )
         out.append("")
         return "\n".join(out + tests_block)
     cc = [e for e in r.code_entries if e.status != "unchanged"]
     oc = [e for e in r.other_entries if e.status != "unchanged"]
     against = "declared parent" if r.base == r.declared else "nearest sibling (the declared parent is unusable)"
     kinds = _kinds_text(r.other_entries)
-    out += ["", f"Change against the {against} `{r.base}`:", "",
-            f"- code (model.py, train.py, hf.py): {len(cc)} of {len(r.code_entries)} files, "
-            f"+{sum(e.added for e in cc)} -{sum(e.removed for e in cc)} lines"
-            + "".join(f" ({e.path} deleted: its {e.removed} lines are counted here, but not in the code distance, "
-                      f"where deleting it is one decision)" for e in cc
-                      if e.status == "removed" and os.path.basename(e.path) in OPTIONAL_CODE),
-            f"- other files (docs, presets, benchmarks, ...; not used for the lineage): {len(oc)} of "
-            f"{len(r.other_entries)} files, +{sum(e.added for e in oc)} -{sum(e.removed for e in oc)} lines"
-            + (f" ({kinds})" if kinds else ""), ""]
+    out += [
+        "",
+        f"Change against the {against} `{r.base}`:",
+        "",
+        f"- code (model.py, train.py, hf.py): {len(cc)} of {len(r.code_entries)} files, "
+        f"+{sum(e.added for e in cc)} -{sum(e.removed for e in cc)} lines"
+        + "".join(
+            f" ({e.path} deleted: its {e.removed} lines are counted here, but not in the code distance, "
+            f"where deleting it is one decision)"
+            for e in cc
+            if e.status == "removed" and os.path.basename(e.path) in OPTIONAL_CODE
+        ),
+        f"- other files (docs, presets, benchmarks, ...; not used for the lineage): {len(oc)} of "
+        f"{len(r.other_entries)} files, +{sum(e.added for e in oc)} -{sum(e.removed for e in oc)} lines"
+        + (f" ({kinds})" if kinds else ""),
+        "",
+    ]
     if cc or oc:
         out += ["| file | kind | change | lines |", "|---|---|---|---|"]
         out += ["| " + " | ".join(entry_row(e)) + " |" for e in cc + oc]
@@ -567,11 +638,21 @@ def render_section(repo: Repo, r: Report, with_diff: bool, max_diff_lines: int, 
     if with_diff and (cc or oc):
         base = html.escape(r.base)
         if cc:
-            out += _details(f"Unified diff of the code against <code>{base}</code>", unified(repo, r, cc),
-                            max_diff_lines, "diff", "the HTML page")
+            out += _details(
+                f"Unified diff of the code against <code>{base}</code>",
+                unified(repo, r, cc),
+                max_diff_lines,
+                "diff",
+                "the HTML page",
+            )
         if oc:
-            out += _details(f"Unified diff of the other files (docs, presets, ...) against <code>{base}</code>",
-                            unified(repo, r, oc), max_diff_lines, "diff", "the HTML page")
+            out += _details(
+                f"Unified diff of the other files (docs, presets, ...) against <code>{base}</code>",
+                unified(repo, r, oc),
+                max_diff_lines,
+                "diff",
+                "the HTML page",
+            )
         out += [f"Side by side: `{page_name(r.folder)}` (in the report folder; the CI artifact `variant-diff`).", ""]
     return "\n".join(out + tests_block)
 
@@ -580,26 +661,45 @@ def render_outside(outside: list[Outside], rev: str, with_diff: bool, max_diff_l
     out = ["### Other files changed with it", ""]
     if not outside:
         return "\n".join(out + [f"None: no file outside `templates/` and `variants/` changed since `{rev}`.", ""])
-    out += [f"Files outside `templates/` and `variants/` changed since `{rev}` (the working tree; untracked files "
-            f"count): {len(outside)}, +{sum(o.added for o in outside)} -{sum(o.removed for o in outside)} lines", "",
-            "| file | change | lines |", "|---|---|---|"]
+    out += [
+        f"Files outside `templates/` and `variants/` changed since `{rev}` (the working tree; untracked files "
+        f"count): {len(outside)}, +{sum(o.added for o in outside)} -{sum(o.removed for o in outside)} lines",
+        "",
+        "| file | change | lines |",
+        "|---|---|---|",
+    ]
     out += [f"| `{o.path}` | {o.status} | {_lines_text(o.added, o.removed)} |" for o in outside]
     out.append("")
     if with_diff:
         diff = []
         for o in outside:
-            diff += diff_lines(list(o.old), list(o.new), "/dev/null" if o.status == "added" else f"a/{o.path}",
-                               "/dev/null" if o.status == "removed" else f"b/{o.path}")
-        out += _details(f"Unified diff since <code>{html.escape(rev)}</code>", diff, max_diff_lines, "diff",
-                        f"`{OTHER_PAGE}`")
+            diff += diff_lines(
+                list(o.old),
+                list(o.new),
+                "/dev/null" if o.status == "added" else f"a/{o.path}",
+                "/dev/null" if o.status == "removed" else f"b/{o.path}",
+            )
+        out += _details(
+            f"Unified diff since <code>{html.escape(rev)}</code>", diff, max_diff_lines, "diff", f"`{OTHER_PAGE}`"
+        )
         out += [f"Side by side: `{OTHER_PAGE}` (in the report folder).", ""]
     return "\n".join(out)
 
 
-def render_markdown(repo: Repo, reports: list[Report], everything: list[Report], heading: str,
-                    with_diff: bool, max_diff_lines: int, notes: list[str], *, show_tests: bool = False,
-                    outside: list[Outside] | None = None, since: str | None = None,
-                    runs_md: str | None = None) -> str:
+def render_markdown(
+    repo: Repo,
+    reports: list[Report],
+    everything: list[Report],
+    heading: str,
+    with_diff: bool,
+    max_diff_lines: int,
+    notes: list[str],
+    *,
+    show_tests: bool = False,
+    outside: list[Outside] | None = None,
+    since: str | None = None,
+    runs_md: str | None = None,
+) -> str:
     out = ([MARKER] if with_diff else []) + ["## Variant diff", "", heading, ""]
     if reports:
         out += [render_table(table_rows(reports)), ""]
@@ -611,8 +711,14 @@ def render_markdown(repo: Repo, reports: list[Report], everything: list[Report],
     if outside is not None and since is not None:
         out.append(render_outside(outside, since, with_diff, max_diff_lines))
     if with_diff:
-        out += ["<details><summary>Lineage of every variant</summary>", "",
-                render_table(table_rows(everything)), "", "</details>", ""]
+        out += [
+            "<details><summary>Lineage of every variant</summary>",
+            "",
+            render_table(table_rows(everything)),
+            "",
+            "</details>",
+            "",
+        ]
     return "\n".join(out).rstrip("\n") + "\n"
 
 
@@ -644,8 +750,12 @@ class _HtmlDiff(difflib.HtmlDiff):
 
 
 def _page_head(title: str) -> list[str]:
-    return ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">', f"<title>{title}</title>",
-            f"<style>{CSS}</style></head><body>"]
+    return [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{title}</title>",
+        f"<style>{CSS}</style></head><body>",
+    ]
 
 
 def render_html(repo: Repo, r: Report, show_tests: bool = False) -> str:
@@ -653,17 +763,22 @@ def render_html(repo: Repo, r: Report, show_tests: bool = False) -> str:
     old = repo.files(r.base) if r.base else {}
     new = repo.files(r.folder)
     parts = _page_head(f"{esc(r.folder)} against {esc(r.base or 'nothing')}") + [
-        f"<h1><code>{esc(r.folder)}</code> against <code>{esc(r.base or 'nothing')}</code></h1>", "<ul>",
+        f"<h1><code>{esc(r.folder)}</code> against <code>{esc(r.base or 'nothing')}</code></h1>",
+        "<ul>",
         f"<li>declared parent (COPIED_FROM): <code>{esc(str(r.declared))}</code>"
-        + (f", {r.parent_distance} changed lines of code" if r.parent_distance is not None else "") + "</li>",
+        + (f", {r.parent_distance} changed lines of code" if r.parent_distance is not None else "")
+        + "</li>",
         f"<li>nearest sibling by code (model.py, train.py, hf.py): <code>{esc(str(r.nearest))}</code>, "
         f"{esc(dist_text(r.nearest_distance, r.percent))} changed lines</li>",
-        f"<li>check: {esc(check_word(r))}</li>", "</ul>"]
+        f"<li>check: {esc(check_word(r))}</li>",
+        "</ul>",
+    ]
     parts += [f'<p class="warn">warning: {esc(w)}</p>' for w in r.warnings]
     hd = _HtmlDiff(tabsize=4)
     for heading, entries in (
-            ("Code (model.py, train.py, hf.py)", r.code_entries),
-            ("Other files: docs, presets, benchmarks, ... (not used for the lineage)", r.other_entries)):
+        ("Code (model.py, train.py, hf.py)", r.code_entries),
+        ("Other files: docs, presets, benchmarks, ... (not used for the lineage)", r.other_entries),
+    ):
         if not entries:
             continue
         parts.append(f"<h2>{esc(heading)}</h2>")
@@ -671,19 +786,32 @@ def render_html(repo: Repo, r: Report, show_tests: bool = False) -> str:
         for e in entries:
             if e.status == "unchanged":
                 continue
-            title = f"{e.old} → {e.new} (renamed, {e.similarity:.0%} similar)" if e.status == "renamed" else \
-                f"{e.path} ({e.status}, +{e.added} -{e.removed})"
+            title = (
+                f"{e.old} → {e.new} (renamed, {e.similarity:.0%} similar)"
+                if e.status == "renamed"
+                else f"{e.path} ({e.status}, +{e.added} -{e.removed})"
+            )
             a = old.get(e.old, []) if e.old else []
             b = new.get(e.new, []) if e.new else []
-            parts += [f"<h3>{esc(title)}</h3>",
-                      hd.make_table(a, b, f"{r.base}/{e.old}" if e.old else "(none)",
-                                    f"{r.folder}/{e.new}" if e.new else "(none)", context=True, numlines=3)]
+            parts += [
+                f"<h3>{esc(title)}</h3>",
+                hd.make_table(
+                    a,
+                    b,
+                    f"{r.base}/{e.old}" if e.old else "(none)",
+                    f"{r.folder}/{e.new}" if e.new else "(none)",
+                    context=True,
+                    numlines=3,
+                ),
+            ]
         if unchanged:
             parts.append("<p>unchanged: " + ", ".join(f"<code>{esc(p)}</code>" for p in unchanged) + "</p>")
     if show_tests and r.tests:
         lines = read_lines(os.path.join(repo.root, r.tests))
-        parts += [f"<h2>The variant's own tests: <code>{esc(r.tests)}</code> ({len(lines)} lines)</h2>",
-                  f'<pre class="file">{esc("".join(lines))}</pre>']
+        parts += [
+            f"<h2>The variant's own tests: <code>{esc(r.tests)}</code> ({len(lines)} lines)</h2>",
+            f'<pre class="file">{esc("".join(lines))}</pre>',
+        ]
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
 
@@ -691,18 +819,27 @@ def render_html(repo: Repo, r: Report, show_tests: bool = False) -> str:
 def render_outside_html(outside: list[Outside], rev: str) -> str:
     esc = html.escape
     parts = _page_head(f"files outside the folders changed since {esc(rev)}") + [
-        f"<h1>Other files changed since <code>{esc(rev)}</code> (outside templates/ and variants/)</h1>"]
+        f"<h1>Other files changed since <code>{esc(rev)}</code> (outside templates/ and variants/)</h1>"
+    ]
     hd = _HtmlDiff(tabsize=4)
     for o in outside:
-        parts += [f"<h3>{esc(o.path)} ({o.status}, +{o.added} -{o.removed})</h3>",
-                  hd.make_table(list(o.old), list(o.new), f"{o.path} ({rev})" if o.status != "added" else "(none)",
-                                f"{o.path} (working tree)" if o.status != "removed" else "(none)",
-                                context=True, numlines=3)]
+        parts += [
+            f"<h3>{esc(o.path)} ({o.status}, +{o.added} -{o.removed})</h3>",
+            hd.make_table(
+                list(o.old),
+                list(o.new),
+                f"{o.path} ({rev})" if o.status != "added" else "(none)",
+                f"{o.path} (working tree)" if o.status != "removed" else "(none)",
+                context=True,
+                numlines=3,
+            ),
+        ]
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
 
 
 # ---------------------------------------------------------------- selecting folders
+
 
 def _git(root: str, *args: str, text: bool = True) -> subprocess.CompletedProcess:
     try:
@@ -714,11 +851,15 @@ def _git(root: str, *args: str, text: bool = True) -> subprocess.CompletedProces
 def changed_since(repo: Repo, rev: str) -> tuple[list[str], list[str]]:
     """(variant folders added or changed since rev, notes on changed folders that are not variants now)."""
     if _git(repo.root, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}").returncode != 0:
-        raise UsageError(f"--since {rev}: not a commit of the git repository at {repo.root} "
-                         "(the first commit has no HEAD~1, and a shallow clone lacks older commits)")
+        raise UsageError(
+            f"--since {rev}: not a commit of the git repository at {repo.root} "
+            "(the first commit has no HEAD~1, and a shallow clone lacks older commits)"
+        )
     paths = []
-    for args in (("diff", "--name-only", "--no-renames", "--relative", "-z", rev, "--", *TOPS),
-                 ("ls-files", "--others", "--exclude-standard", "-z", "--", *TOPS)):
+    for args in (
+        ("diff", "--name-only", "--no-renames", "--relative", "-z", rev, "--", *TOPS),
+        ("ls-files", "--others", "--exclude-standard", "-z", "--", *TOPS),
+    ):
         p = _git(repo.root, *args)
         if p.returncode != 0:
             raise UsageError(f"git {' '.join(args[:2])} failed: {p.stderr.strip()}")
@@ -726,12 +867,20 @@ def changed_since(repo: Repo, rev: str) -> tuple[list[str], list[str]]:
     folders = set()
     for path in paths:
         parts = path.split("/")
-        if len(parts) >= 3 and parts[0] in TOPS and not any(_skipped(x, i < len(parts) - 1)
-                                                             for i, x in enumerate(parts[2:], 2)):
+        if (
+            len(parts) >= 3
+            and parts[0] in TOPS
+            and not any(_skipped(x, i < len(parts) - 1) for i, x in enumerate(parts[2:], 2))
+        ):
             folders.add(f"{parts[0]}/{parts[1]}")
     present = sorted(f for f in folders if repo.exists(f))
-    notes = [f"`{f}` was removed" if not os.path.isdir(os.path.join(repo.root, f)) else
-             f"`{f}` changed but holds no model.py, so it is not a variant" for f in sorted(folders) if not repo.exists(f)]
+    notes = [
+        f"`{f}` was removed"
+        if not os.path.isdir(os.path.join(repo.root, f))
+        else f"`{f}` changed but holds no model.py, so it is not a variant"
+        for f in sorted(folders)
+        if not repo.exists(f)
+    ]
     return present, notes
 
 
@@ -777,11 +926,14 @@ def resolve(repo: Repo, arg: str) -> str:
         rel = os.path.relpath(os.path.normpath(c), repo.root).replace(os.sep, "/")
         if rel in repo.parents:
             return rel
-    raise UsageError(f"{arg}: not a variant folder of {repo.root} (templates/<name>/ or variants/<name>/ with a "
-                     f"model.py); known: {', '.join(repo.folders) or 'none'}")
+    raise UsageError(
+        f"{arg}: not a variant folder of {repo.root} (templates/<name>/ or variants/<name>/ with a "
+        f"model.py); known: {', '.join(repo.folders) or 'none'}"
+    )
 
 
 # ---------------------------------------------------------------- loss curves (--runs)
+
 
 def load_compare_runs():
     """tools/compare_runs.py (next to this file), imported by path: only --runs needs it (and matplotlib)."""
@@ -813,32 +965,66 @@ def loss_curves(runs: list[str], out: str) -> str:
     png = os.path.relpath(res["png"], out).replace(os.sep, "/")
     with open(res["md"], encoding="utf-8") as f:
         summary = f.read()
-    return "\n".join(["### Loss curves", "",
-                      "Runs (the parent's first): " + ", ".join(f"`{r}`" for r in runs), "",
-                      f"![loss curves]({png})", "", summary.rstrip("\n")])
+    return "\n".join(
+        [
+            "### Loss curves",
+            "",
+            "Runs (the parent's first): " + ", ".join(f"`{r}`" for r in runs),
+            "",
+            f"![loss curves]({png})",
+            "",
+            summary.rstrip("\n"),
+        ]
+    )
 
 
 # ---------------------------------------------------------------- main
 
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python tools/variant_diff.py", description=__doc__.split("\n\n")[0],
-                                epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python tools/variant_diff.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("folders", nargs="*", metavar="FOLDER", help="variant folders to report, e.g. variants/my_idea")
-    p.add_argument("--since", metavar="REV", help="also report every variant added or changed since git revision REV, "
-                                                  "and the files outside the folders changed with them")
+    p.add_argument(
+        "--since",
+        metavar="REV",
+        help="also report every variant added or changed since git revision REV, "
+        "and the files outside the folders changed with them",
+    )
     p.add_argument("--table", action="store_true", help="print the lineage table of every variant")
-    p.add_argument("--out", metavar="DIR", help="write report.md (Markdown, for a PR comment) and one side-by-side "
-                                                "HTML page per variant to DIR")
-    p.add_argument("--runs", nargs="+", metavar="RUN",
-                   help="run directories, the parent's run first, then the variant's (and more): put their loss "
-                        "curves (tools/compare_runs.py: loss.png, summary.md) into report.md; needs --out")
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        help="write report.md (Markdown, for a PR comment) and one side-by-side HTML page per variant to DIR",
+    )
+    p.add_argument(
+        "--runs",
+        nargs="+",
+        metavar="RUN",
+        help="run directories, the parent's run first, then the variant's (and more): put their loss "
+        "curves (tools/compare_runs.py: loss.png, summary.md) into report.md; needs --out",
+    )
     p.add_argument("--root", default=ROOT, help="repository root (default: the one this tool is in)")
-    p.add_argument("--margin", type=float, default=1.5, metavar="RATIO",
-                   help="warn when the declared parent is farther in code than RATIO x nearest + SLACK (default 1.5)")
+    p.add_argument(
+        "--margin",
+        type=float,
+        default=1.5,
+        metavar="RATIO",
+        help="warn when the declared parent is farther in code than RATIO x nearest + SLACK (default 1.5)",
+    )
     p.add_argument("--slack", type=int, default=20, metavar="LINES", help="see --margin (default 20)")
-    p.add_argument("--max-diff-lines", type=int, default=400, metavar="N",
-                   help="lines per diff block (code, other files, own tests, other files changed with it) in "
-                        "report.md (default 400; the HTML pages have all)")
+    p.add_argument(
+        "--max-diff-lines",
+        type=int,
+        default=400,
+        metavar="N",
+        help="lines per diff block (code, other files, own tests, other files changed with it) in "
+        "report.md (default 400; the HTML pages have all)",
+    )
     p.add_argument("--strict", action="store_true", help="exit 1 when there is any warning")
     return p
 
@@ -852,8 +1038,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.out and not (args.folders or args.since):
             raise UsageError("--out writes the report of variant folders or of --since REV; give one of them")
         if args.runs is not None and not args.out:
-            raise UsageError("--runs puts the loss curves into report.md: give --out DIR "
-                             "(and variant folders or --since)")
+            raise UsageError(
+                "--runs puts the loss curves into report.md: give --out DIR (and variant folders or --since)"
+            )
         if args.runs is not None and len(args.runs) < 2:
             raise UsageError("--runs needs at least two run directories: the parent's run, then the variant's")
         chosen = [resolve(repo, f) for f in args.folders]
@@ -864,8 +1051,10 @@ def main(argv: list[str] | None = None) -> int:
             chosen += present
             outside = outside_since(repo, args.since, [tests_path(f, repo.root) for f in sorted(set(chosen))], args.out)
             if not chosen and outside:
-                notes.append(f"{len(outside)} file(s) outside `templates/` and `variants/` changed since "
-                             f"`{args.since}`; they are listed with a variant only")
+                notes.append(
+                    f"{len(outside)} file(s) outside `templates/` and `variants/` changed since "
+                    f"`{args.since}`; they are listed with a variant only"
+                )
                 outside = None
         chosen = sorted(set(chosen))
     except UsageError as e:
@@ -881,8 +1070,9 @@ def main(argv: list[str] | None = None) -> int:
             print()
     if args.folders or args.since:
         if args.since and not args.folders:
-            heading = f"Variants added or changed since `{args.since}`: {len(reports)}" + \
-                ("" if reports else " (nothing to compare)")
+            heading = f"Variants added or changed since `{args.since}`: {len(reports)}" + (
+                "" if reports else " (nothing to compare)"
+            )
         else:
             heading = f"Variants reported: {len(reports)}"
         kw = dict(show_tests=show_tests, outside=outside, since=args.since)
@@ -897,8 +1087,19 @@ def main(argv: list[str] | None = None) -> int:
                     return 2
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "report.md"), "w", encoding="utf-8") as f:
-                f.write(render_markdown(repo, reports, list(everything.values()), heading, True,
-                                        args.max_diff_lines, notes, runs_md=runs_md, **kw))
+                f.write(
+                    render_markdown(
+                        repo,
+                        reports,
+                        list(everything.values()),
+                        heading,
+                        True,
+                        args.max_diff_lines,
+                        notes,
+                        runs_md=runs_md,
+                        **kw,
+                    )
+                )
             for r in reports:
                 with open(os.path.join(args.out, page_name(r.folder)), "w", encoding="utf-8") as f:
                     f.write(render_html(repo, r, show_tests))
@@ -907,8 +1108,10 @@ def main(argv: list[str] | None = None) -> int:
                 with open(os.path.join(args.out, OTHER_PAGE), "w", encoding="utf-8") as f:
                     f.write(render_outside_html(outside, args.since))
                 pages += 1
-            print(f"\nwrote {os.path.join(args.out, 'report.md')} and {pages} HTML page(s)"
-                  + (" (and the loss curves: loss.png, summary.md)" if runs_md else ""))
+            print(
+                f"\nwrote {os.path.join(args.out, 'report.md')} and {pages} HTML page(s)"
+                + (" (and the loss curves: loss.png, summary.md)" if runs_md else "")
+            )
     shown = reports if (args.folders or args.since) else list(everything.values())
     n_warn = sum(len(r.warnings) for r in shown)
     if n_warn:

@@ -26,10 +26,14 @@ from shared.evals import harness, probes
 
 EVAL_FIELDS = {
     "lm_eval_limit": at_least(0),
-    "lm_eval_tasks": lambda v: None if re.fullmatch(r"[\w.*,\- ]*", v, re.ASCII) else
-    f"must be comma-separated lm-eval task names, got {v!r}",
-    "lm_eval_include": lambda v: None if v == "" or ("\0" not in v and os.path.isdir(v)) else
-    f"must be '' or a folder of lm-eval task YAMLs (evals/tasks), got {v!r}",
+    "lm_eval_tasks": lambda v: (
+        None if re.fullmatch(r"[\w.*,\- ]*", v, re.ASCII) else f"must be comma-separated lm-eval task names, got {v!r}"
+    ),
+    "lm_eval_include": lambda v: (
+        None
+        if v == "" or ("\0" not in v and os.path.isdir(v))
+        else f"must be '' or a folder of lm-eval task YAMLs (evals/tasks), got {v!r}"
+    ),
 }
 
 
@@ -37,6 +41,7 @@ EVAL_FIELDS = {
 class EvalConfig:
     """The evaluation's settings, the same in every folder (flags of every train.py). Whether every probe fits
     in a row (seq_len) is train.py's check: `self.probes.check_fits(self.seq_len)`."""
+
     probes: probes.ProbeConfig = field(default_factory=probes.ProbeConfig)  # capability probes on the eval cadence
     lm_eval_tasks: str = ""  # lm-eval tasks on the eval cadence, comma-separated ("" = none; the `eval` extra)
     lm_eval_limit: int = 0  # documents per lm-eval task (0 = all of them)
@@ -44,8 +49,11 @@ class EvalConfig:
 
     def __post_init__(self):
         check_fields(self, EVAL_FIELDS)
-        check(not self.lm_eval_tasks or importlib.util.find_spec("lm_eval") is not None, "lm_eval_tasks",
-              "needs the lm-eval package: pip install -e '.[eval]' (docs/evaluation.md)")
+        check(
+            not self.lm_eval_tasks or importlib.util.find_spec("lm_eval") is not None,
+            "lm_eval_tasks",
+            "needs the lm-eval package: pip install -e '.[eval]' (docs/evaluation.md)",
+        )
 
 
 class Evaluator:
@@ -64,17 +72,25 @@ class Evaluator:
         like a held-out set (`held_out`: the run's, data.eval_sets: both would log eval/<name>/loss)."""
         cfg, self.corpus = self.cfg, corpus
         if cfg.probes.kinds():
-            self.sets = probes.eval_sets(cfg.probes, corpus.tokenizer, cfg.model.vocab_size, corpus.eos_id,
-                                         cfg.seq_len)
+            self.sets = probes.eval_sets(cfg.probes, corpus.tokenizer, cfg.model.vocab_size, corpus.eos_id, cfg.seq_len)
         both = sorted(set(self.sets) & set(held_out))
         sources = {n for n, _, _ in data.parse_sources(cfg.data.source, cfg.data.weights) if n}
-        check(not both, "probes.sets", f"probe set(s) {both} have the name of "
-              + (f"a source of data.source (eval/{both[0]}/ holds its held-out loss); rename that source, e.g. "
-                 f"recall=PATH" if set(both) & sources else "a --data.eval set; rename that set"))
+        check(
+            not both,
+            "probes.sets",
+            f"probe set(s) {both} have the name of "
+            + (
+                f"a source of data.source (eval/{both[0]}/ holds its held-out loss); rename that source, e.g. "
+                f"recall=PATH"
+                if set(both) & sources
+                else "a --data.eval set; rename that set"
+            ),
+        )
         if cfg.lm_eval_tasks:  # refused now if a task is unknown, not after the first steps
             if corpus.tokenizer is None:
-                raise data.DataError("lm_eval_tasks: lm-eval tasks are text, and this corpus has no tokenizer "
-                                     "(set data.tokenizer)")
+                raise data.DataError(
+                    "lm_eval_tasks: lm-eval tasks are text, and this corpus has no tokenizer (set data.tokenizer)"
+                )
             self.tasks = harness.check_tasks(cfg.lm_eval_tasks, cfg.lm_eval_include)
 
     def __call__(self, params) -> dict:
@@ -84,8 +100,19 @@ class Evaluator:
         if self.sets:
             row |= probes.evaluate(self.model, params, cfg.model, self.mesh, self.sets, batch)
         if self.tasks:
-            lm = harness.StencilLM(self.model, params, cfg.model, self.mesh, self.corpus.tokenizer,
-                                   eos_id=self.corpus.eos_id, max_length=cfg.seq_len, batch_size=batch)
-            row |= harness.metrics_of(harness.run_tasks(lm, self.tasks, limit=cfg.lm_eval_limit,
-                                                        include=cfg.lm_eval_include, bootstrap_iters=0))
+            lm = harness.StencilLM(
+                self.model,
+                params,
+                cfg.model,
+                self.mesh,
+                self.corpus.tokenizer,
+                eos_id=self.corpus.eos_id,
+                max_length=cfg.seq_len,
+                batch_size=batch,
+            )
+            row |= harness.metrics_of(
+                harness.run_tasks(
+                    lm, self.tasks, limit=cfg.lm_eval_limit, include=cfg.lm_eval_include, bootstrap_iters=0
+                )
+            )
         return row

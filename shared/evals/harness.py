@@ -110,18 +110,22 @@ def check_tasks(tasks: str, include: str = "") -> list[str]:
         if not tm.match_tasks([name]):
             near = difflib.get_close_matches(name, tm.all_tasks, n=5)
             where = f" or under {include}" if include else " (task YAMLs of your own: --include_path DIR)"
-            raise LMEvalError(f"unknown lm-eval task {name!r}: not one of lm-eval's tasks{where}"
-                              + (f"; near names: {near}" if near else ""))
+            raise LMEvalError(
+                f"unknown lm-eval task {name!r}: not one of lm-eval's tasks{where}"
+                + (f"; near names: {near}" if near else "")
+            )
     return names
 
 
 # ---------------------------------------------------------------- the model
 
+
 class StencilLM(TemplateLM):
     """lm-eval's model for a folder's `model` with `params` on `mesh` (see the module docstring)."""
 
-    def __init__(self, model, params, cfg, mesh, tokenizer, *, eos_id: int, max_length: int, batch_size: int,
-                 seed: int = 0):
+    def __init__(
+        self, model, params, cfg, mesh, tokenizer, *, eos_id: int, max_length: int, batch_size: int, seed: int = 0
+    ):
         need_lm_eval()
         super().__init__()
         if batch_size < 1:
@@ -132,7 +136,13 @@ class StencilLM(TemplateLM):
         self.model, self.params, self.cfg, self.mesh = model, params, cfg, mesh
         rows = decode.rows_multiple(model, cfg, mesh)
         batch_size = -(-batch_size // rows) * rows  # a multiple of the devices the rows are sharded over
-        self.tok, self.eos, self.max_length, self.batch_size, self.seed = tokenizer, eos_id, max_length, batch_size, seed
+        self.tok, self.eos, self.max_length, self.batch_size, self.seed = (
+            tokenizer,
+            eos_id,
+            max_length,
+            batch_size,
+            seed,
+        )
 
     @property
     def eot_token_id(self) -> int:
@@ -153,11 +163,11 @@ class StencilLM(TemplateLM):
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
         out = [None] * len(rows)
         for s in range(0, len(order), self.batch_size):
-            idx = order[s:s + self.batch_size]
+            idx = order[s : s + self.batch_size]
             width = min(self.max_length, 1 << max(4, (len(rows[idx[0]]) - 2).bit_length()))  # inputs, a power of 2
             x = np.full((len(idx), width + 1), self.eos, np.int32)
             for j, i in enumerate(idx):
-                x[j, :len(rows[i])] = rows[i]
+                x[j, : len(rows[i])] = rows[i]
             lp, greedy = probes.score(self.model, self.params, self.cfg, self.mesh, x, self.batch_size)
             for j, i in enumerate(idx):
                 n = len(rows[i]) - 1
@@ -167,12 +177,12 @@ class StencilLM(TemplateLM):
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
         rows, conts = [], []
         for _, prefix, continuation in requests:
-            whole = (list(prefix) + list(continuation))[-(self.max_length + 1):]
+            whole = (list(prefix) + list(continuation))[-(self.max_length + 1) :]
             rows.append(whole)
             conts.append(min(len(continuation), len(whole) - 1))
         answers = []
         for req, (lp, greedy), n in zip(requests, self._score_rows(rows), conts):
-            answer = (float(np.sum(lp[len(lp) - n:], dtype=np.float64)), bool(np.all(greedy[len(greedy) - n:])))
+            answer = (float(np.sum(lp[len(lp) - n :], dtype=np.float64)), bool(np.all(greedy[len(greedy) - n :])))
             if req[0] is not None:
                 self.cache_hook.add_partial("loglikelihood", req[0], answer)
             answers.append(answer)
@@ -184,8 +194,12 @@ class StencilLM(TemplateLM):
         windows, owner = [], []
         for k, req in enumerate(requests):
             tokens = self.tok_encode(req.args[0])
-            for ctx, cont in map(utils.make_disjoint_window, utils.get_rolling_token_windows(
-                    tokens, prefix_token=self.prefix_token_id, max_seq_len=self.max_length, context_len=1)):
+            for ctx, cont in map(
+                utils.make_disjoint_window,
+                utils.get_rolling_token_windows(
+                    tokens, prefix_token=self.prefix_token_id, max_seq_len=self.max_length, context_len=1
+                ),
+            ):
                 windows.append((None, ctx, cont))
                 owner.append(k)
         totals = [0.0] * len(requests)
@@ -209,16 +223,27 @@ class StencilLM(TemplateLM):
             temperature = float(kw.pop("temperature", 0.0) or 0.0)
             sample = kw.pop("do_sample", None)
             sample = temperature > 0 if sample is None else bool(sample)  # as lm-eval's hf model reads them
-            sampling = decode.Sampling(temperature=temperature if sample else 0.0,
-                                       top_k=int(kw.pop("top_k", 0) or 0) if sample else 0,
-                                       top_p=float(kw.pop("top_p", 1.0) or 1.0) if sample else 1.0)
+            sampling = decode.Sampling(
+                temperature=temperature if sample else 0.0,
+                top_k=int(kw.pop("top_k", 0) or 0) if sample else 0,
+                top_p=float(kw.pop("top_p", 1.0) or 1.0) if sample else 1.0,
+            )
             keep = max(1, self.max_length - max_gen)  # the context's last tokens, leaving room for the new ones
             for s in range(0, len(items), self.batch_size):
-                chunk = items[s:s + self.batch_size]
+                chunk = items[s : s + self.batch_size]
                 prompts = [self.tok_encode(c)[-keep:] or [self.eos] for _, c, _ in chunk]
-                done = decode.generate(self.model, self.params, self.cfg, prompts, mesh=self.mesh,
-                                       max_new_tokens=max_gen, max_len=min(self.max_length, max(map(len, prompts)) + max_gen),
-                                       sampling=sampling, key=jax.random.key(self.seed), eos_id=self.eos)
+                done = decode.generate(
+                    self.model,
+                    self.params,
+                    self.cfg,
+                    prompts,
+                    mesh=self.mesh,
+                    max_new_tokens=max_gen,
+                    max_len=min(self.max_length, max(map(len, prompts)) + max_gen),
+                    sampling=sampling,
+                    key=jax.random.key(self.seed),
+                    eos_id=self.eos,
+                )
                 for (k, prefix, _), c in zip(chunk, done):
                     text = self.tok_decode(c.tokens)
                     for stop in until:
@@ -231,13 +256,21 @@ class StencilLM(TemplateLM):
 
 # ---------------------------------------------------------------- evaluating
 
-def run_tasks(lm, tasks: list[str], *, limit: int = 0, include: str = "", log_samples: bool = False,
-              bootstrap_iters: int = 1000) -> dict:
+
+def run_tasks(
+    lm, tasks: list[str], *, limit: int = 0, include: str = "", log_samples: bool = False, bootstrap_iters: int = 1000
+) -> dict:
     """lm-eval's simple_evaluate of `tasks` with `lm` (every process calls it: see the module docstring)."""
     from lm_eval import evaluator  # the `eval` extra: imported only when asked for
 
-    return evaluator.simple_evaluate(model=lm, tasks=tasks, limit=limit or None, task_manager=task_manager(include, tasks),
-                                     log_samples=log_samples, bootstrap_iters=bootstrap_iters)
+    return evaluator.simple_evaluate(
+        model=lm,
+        tasks=tasks,
+        limit=limit or None,
+        task_manager=task_manager(include, tasks),
+        log_samples=log_samples,
+        bootstrap_iters=bootstrap_iters,
+    )
 
 
 def metrics_of(results: dict) -> dict:
@@ -246,7 +279,12 @@ def metrics_of(results: dict) -> dict:
     for task, res in results["results"].items():
         for key, v in res.items():
             metric = key.split(",")[0]
-            if metric.endswith("_stderr") or metric == "sample_len" or isinstance(v, bool) or not isinstance(v, (int, float)):
+            if (
+                metric.endswith("_stderr")
+                or metric == "sample_len"
+                or isinstance(v, bool)
+                or not isinstance(v, (int, float))
+            ):
                 continue
             row[f"eval/lm_eval/{task}/{metric}"] = float(v)
     return row

@@ -77,19 +77,36 @@ class ProbeConfig:
         try:
             d = [float(s) for s in self.passkey_depths.split(",") if s.strip()]
         except ValueError:
-            raise ConfigError(f"probes.passkey_depths: {self.passkey_depths!r} is not comma-separated numbers") from None
-        check(bool(d) and all(0 <= x <= 1 for x in d), "probes.passkey_depths",
-              f"must be one or more fractions in [0, 1], got {self.passkey_depths!r}")
-        check(len({depth_name(x) for x in d}) == len(d), "probes.passkey_depths",
-              f"two depths round to the same percent: {self.passkey_depths!r}")
+            raise ConfigError(
+                f"probes.passkey_depths: {self.passkey_depths!r} is not comma-separated numbers"
+            ) from None
+        check(
+            bool(d) and all(0 <= x <= 1 for x in d),
+            "probes.passkey_depths",
+            f"must be one or more fractions in [0, 1], got {self.passkey_depths!r}",
+        )
+        check(
+            len({depth_name(x) for x in d}) == len(d),
+            "probes.passkey_depths",
+            f"two depths round to the same percent: {self.passkey_depths!r}",
+        )
         return d
 
     def check_fits(self, seq_len: int) -> None:
         """Refuse a probe that does not fit in a row of seq_len tokens, naming the field to change."""
-        need = {"mqar": (4 * self.mqar_pairs + self.mqar_gap, "probes.mqar_pairs",
-                         f"4 x mqar_pairs + mqar_gap = {4 * self.mqar_pairs + self.mqar_gap}"),
-                "passkey": (2 * self.passkey_len + 2, "probes.passkey_len", f"2 x passkey_len + 2 = {2 * self.passkey_len + 2}"),
-                "copy": (2 * self.copy_len + 1, "probes.copy_len", f"2 x copy_len + 1 = {2 * self.copy_len + 1}")}
+        need = {
+            "mqar": (
+                4 * self.mqar_pairs + self.mqar_gap,
+                "probes.mqar_pairs",
+                f"4 x mqar_pairs + mqar_gap = {4 * self.mqar_pairs + self.mqar_gap}",
+            ),
+            "passkey": (
+                2 * self.passkey_len + 2,
+                "probes.passkey_len",
+                f"2 x passkey_len + 2 = {2 * self.passkey_len + 2}",
+            ),
+            "copy": (2 * self.copy_len + 1, "probes.copy_len", f"2 x copy_len + 1 = {2 * self.copy_len + 1}"),
+        }
         for kind in self.kinds():
             n, name, what = need[kind]
             check(n <= seq_len, name, f"the {kind} probe needs {what} tokens, more than seq_len={seq_len}")
@@ -100,6 +117,7 @@ def depth_name(depth: float) -> str:
 
 
 # ---------------------------------------------------------------- sequences
+
 
 @dataclass
 class Roles:
@@ -122,23 +140,38 @@ def vocab_roles(vocab_size: int, eos_id: int, special=()) -> Roles:
     k = min(N_KEYS, n // 4)
     v = min(N_VALUES, n // 4)
     f = min(N_FILLER, n - k - v)
-    return Roles(pool[2:2 + k], pool[2 + k:2 + k + v], pool[2 + k + v:2 + k + v + f], int(pool[0]), int(pool[1]),
-                 int(eos_id))
+    return Roles(
+        pool[2 : 2 + k],
+        pool[2 + k : 2 + k + v],
+        pool[2 + k + v : 2 + k + v + f],
+        int(pool[0]),
+        int(pool[1]),
+        int(eos_id),
+    )
 
 
 def make_mqar(rng, roles: Roles, seq_len: int, pairs: int, gap: int):
     """(tokens [seq_len + 1], answer mask [seq_len + 1]): filler, pairs, gap filler, queries, eos."""
-    check(pairs <= len(roles.keys), "probes.mqar_pairs", f"{pairs} pairs need as many distinct keys; this "
-          f"vocabulary gives {len(roles.keys)}")
+    check(
+        pairs <= len(roles.keys),
+        "probes.mqar_pairs",
+        f"{pairs} pairs need as many distinct keys; this vocabulary gives {len(roles.keys)}",
+    )
     keys = rng.choice(roles.keys, pairs, replace=False)
     values = rng.choice(roles.values, pairs, replace=True)
     lead = seq_len - 4 * pairs - gap
     order = rng.permutation(pairs)
-    toks = np.concatenate([rng.choice(roles.filler, lead), np.stack([keys, values], 1).ravel(),
-                           rng.choice(roles.filler, gap), np.stack([keys[order], values[order]], 1).ravel(),
-                           [roles.eos]])
+    toks = np.concatenate(
+        [
+            rng.choice(roles.filler, lead),
+            np.stack([keys, values], 1).ravel(),
+            rng.choice(roles.filler, gap),
+            np.stack([keys[order], values[order]], 1).ravel(),
+            [roles.eos],
+        ]
+    )
     answer = np.zeros(seq_len + 1, bool)
-    answer[seq_len - 2 * pairs + 1:seq_len:2] = True  # the values of the queries
+    answer[seq_len - 2 * pairs + 1 : seq_len : 2] = True  # the values of the queries
     return toks, answer
 
 
@@ -151,7 +184,7 @@ def make_passkey(rng, roles: Roles, seq_len: int, depth: float, key_len: int):
     filler = np.resize(pattern, room)
     toks = np.concatenate([filler[:at], tail, filler[at:], tail, [roles.eos]])
     answer = np.zeros(seq_len + 1, bool)
-    answer[seq_len - key_len:seq_len] = True
+    answer[seq_len - key_len : seq_len] = True
     return toks, answer
 
 
@@ -160,7 +193,7 @@ def make_copy(rng, roles: Roles, seq_len: int, length: int):
     lead = seq_len - 2 * length - 1
     toks = np.concatenate([rng.choice(roles.filler, lead), span, [roles.sep], span, [roles.eos]])
     answer = np.zeros(seq_len + 1, bool)
-    answer[seq_len - length:seq_len] = True
+    answer[seq_len - length : seq_len] = True
     return toks, answer
 
 
@@ -188,6 +221,7 @@ def set_names(cfg: ProbeConfig) -> list[str]:
 
 # ---------------------------------------------------------------- scoring
 
+
 @functools.partial(jax.jit, static_argnames=("model", "cfg"))
 def _score(params, tokens, *, model, cfg):
     logits = model.forward(params, tokens[:, :-1], cfg)  # [B, T, V] fp32, rows over the batch axes
@@ -214,7 +248,7 @@ def score(model, params, cfg, mesh, tokens: np.ndarray, batch: int) -> tuple[np.
     lps, greedy = [], []
     with jax.set_mesh(mesh):
         for i in range(0, len(tokens), batch):
-            x = np.ascontiguousarray(tokens[i:i + batch], np.int32)
+            x = np.ascontiguousarray(tokens[i : i + batch], np.int32)
             arr = jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda idx, x=x: x[idx])
             lp, g = _score(params, arr, model=model, cfg=cfg)
             lps.append(np.asarray(lp))

@@ -37,8 +37,12 @@ from shared.kernels.cross_entropy import CrossEntropyError, cross_entropy
 from shared.kernels.dispatch import KernelError, check_specs, choices  # noqa: F401  (kernels.check_specs)
 from shared.kernels.rms_norm import NormError, rms_norm
 
-REGISTRIES = {"attention": _attention.BACKENDS, "cross_entropy": _cross_entropy.BACKENDS,
-              "rms_norm": _rms_norm.BACKENDS, "short_conv": _conv.BACKENDS}
+REGISTRIES = {
+    "attention": _attention.BACKENDS,
+    "cross_entropy": _cross_entropy.BACKENDS,
+    "rms_norm": _rms_norm.BACKENDS,
+    "short_conv": _conv.BACKENDS,
+}
 
 
 def available_backends(op: str = "attention") -> list[str]:
@@ -62,6 +66,21 @@ def refusal(op: str, backend: str, call) -> str | None:
     return None if backend == "auto" else _dispatch.refusal(REGISTRIES[op], backend, call, here=False)
 
 
-__all__ = ["BACKENDS", "REGISTRIES", "AttentionCall", "AttentionError", "ConvError", "CrossEntropyError",
-           "KernelError", "NormError", "attention", "available_backends", "choices", "cross_entropy", "refusal",
-           "rms_norm", "short_conv", "usable"]
+__all__ = [
+    "BACKENDS",
+    "REGISTRIES",
+    "AttentionCall",
+    "AttentionError",
+    "ConvError",
+    "CrossEntropyError",
+    "KernelError",
+    "NormError",
+    "attention",
+    "available_backends",
+    "choices",
+    "cross_entropy",
+    "refusal",
+    "rms_norm",
+    "short_conv",
+    "usable",
+]

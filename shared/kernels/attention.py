@@ -77,8 +77,17 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from shared.kernels.dispatch import (Backend, KernelError, choose, missing, named, not_nvidia_gpu, per_shard, spec,
-                                     torch_call)
+from shared.kernels.dispatch import (
+    Backend,
+    KernelError,
+    choose,
+    missing,
+    named,
+    not_nvidia_gpu,
+    per_shard,
+    spec,
+    torch_call,
+)
 
 __all__ = ["AttentionError", "Backend", "BACKENDS", "Call", "attention", "available_backends", "reference"]
 
@@ -102,6 +111,7 @@ class Call:
 
 
 # ---------------------------------------------------------------- reference (XLA)
+
 
 def _mask(T, S, causal, window, seg_q, seg_k):
     """Boolean [B or 1, 1, 1, T, S] mask: True where a query may attend to a key."""
@@ -173,7 +183,7 @@ def _windowed(q, k, v, *, segment_ids=None, window, scale=None, softcap=0.0, blo
         x = jnp.pad(x, [(0, 0), (nb * Bq, Tp - T)] + [(0, 0)] * (x.ndim - 2))
         rest = spec(x)[2:]
         x = x.reshape(B, n + nb, Bq, *x.shape[2:], out_sharding=named(bk, None, None, *rest))
-        return jnp.concatenate([x[:, j:j + n] for j in range(nb + 1)], axis=2)
+        return jnp.concatenate([x[:, j : j + n] for j in range(nb + 1)], axis=2)
 
     qp = jnp.pad(q, [(0, 0), (0, Tp - T), (0, 0), (0, 0)])
     qb = qp.reshape(B, n, Bq, Hkv, H // Hkv, D, out_sharding=named(b, None, None, h, None, d))
@@ -199,6 +209,7 @@ def _windowed(q, k, v, *, segment_ids=None, window, scale=None, softcap=0.0, blo
 
 
 # ---------------------------------------------------------------- cuDNN (GPU)
+
 
 def _cudnn_unavailable():
     return not_nvidia_gpu("cuDNN attention")
@@ -231,13 +242,19 @@ def _cudnn(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, s
     if segment_ids is not None:
         mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
     return jax.nn.dot_product_attention(
-        q, k, v, mask=mask, scale=scale, is_causal=causal,
+        q,
+        k,
+        v,
+        mask=mask,
+        scale=scale,
+        is_causal=causal,
         local_window_size=None if window is None else (window - 1, 0),
         implementation="cudnn",
     )
 
 
 # ---------------------------------------------------------------- whole-array kernels under a mesh
+
 
 def _local(fn, q, k, v, segment_ids, return_lse=False):
     """Run a whole-array kernel `fn(q, k, v, segment_ids)` per device under an explicit mesh.
@@ -266,19 +283,43 @@ def _local(fn, q, k, v, segment_ids, return_lse=False):
 # caching allocator, outside XLA's pool: leave it room (XLA_PYTHON_CLIENT_MEM_FRACTION=0.8 or
 # so). UNVERIFIED ON GPU.
 
+
 def _fa4_torch_kernels():
     """(fwd, bwd) taking torch tensors and filling the outputs; the tests swap these for a torch stand-in."""
     from flash_attn.cute import interface as fa
 
     def fwd(q, k, v, out, lse, *, scale, causal, softcap, window_left):
-        fa._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=causal, softcap=softcap or None,
-                           window_size_left=window_left, window_size_right=0 if window_left is not None else None,
-                           return_lse=True, out=out, lse=lse)
+        fa._flash_attn_fwd(
+            q,
+            k,
+            v,
+            softmax_scale=scale,
+            causal=causal,
+            softcap=softcap or None,
+            window_size_left=window_left,
+            window_size_right=0 if window_left is not None else None,
+            return_lse=True,
+            out=out,
+            lse=lse,
+        )
 
     def bwd(q, k, v, out, dout, lse, dq, dk, dv, *, scale, causal, softcap, window_left):
-        fa._flash_attn_bwd(q, k, v, out, dout, lse, scale, causal, softcap,
-                           window_size_left=window_left, window_size_right=0 if window_left is not None else None,
-                           dq=dq, dk=dk, dv=dv)
+        fa._flash_attn_bwd(
+            q,
+            k,
+            v,
+            out,
+            dout,
+            lse,
+            scale,
+            causal,
+            softcap,
+            window_size_left=window_left,
+            window_size_right=0 if window_left is not None else None,
+            dq=dq,
+            dk=dk,
+            dv=dv,
+        )
 
     return fwd, bwd
 
@@ -316,9 +357,12 @@ _fa4.defvjp(_fa4_fwd, _fa4_bwd)
 
 
 def _flash4_unavailable():
-    why = not_nvidia_gpu("FlashAttention-4", min_cc=(9, 0), max_cc=(10, 3)) or missing("torch", "tvm_ffi", "flash_attn.cute")
+    why = not_nvidia_gpu("FlashAttention-4", min_cc=(9, 0), max_cc=(10, 3)) or missing(
+        "torch", "tvm_ffi", "flash_attn.cute"
+    )
     if why is None:
         import torch
+
         if not torch.cuda.is_available():
             why = f"FlashAttention-4 needs a CUDA build of torch; this torch is {torch.__version__} without CUDA"
     return why
@@ -326,8 +370,10 @@ def _flash4_unavailable():
 
 def _flash4_refuses(c: Call):
     if c.return_lse:
-        return ("FlashAttention-4's backward takes no log-sum-exp cotangent, so gradients through "
-                "return_lse would be wrong (pallas returns a differentiable lse)")
+        return (
+            "FlashAttention-4's backward takes no log-sum-exp cotangent, so gradients through "
+            "return_lse would be wrong (pallas returns a differentiable lse)"
+        )
     if c.dtype not in (jnp.bfloat16, jnp.float16):
         return f"FlashAttention-4 takes bfloat16/float16 inputs, got {c.dtype}"
     if c.q_shape[-1] % 8 or c.q_shape[-1] > 128:
@@ -347,12 +393,17 @@ def _flash4_auto_skip(c: Call):
 
 def _flash4(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, softcap=0.0, return_lse=False):
     assert segment_ids is None and not return_lse, "refused in _flash4_refuses"
-    opts = (("scale", q.shape[-1] ** -0.5 if scale is None else float(scale)), ("causal", bool(causal)),
-            ("softcap", float(softcap)), ("window_left", None if window is None else int(window) - 1))
+    opts = (
+        ("scale", q.shape[-1] ** -0.5 if scale is None else float(scale)),
+        ("causal", bool(causal)),
+        ("softcap", float(softcap)),
+        ("window_left", None if window is None else int(window) - 1),
+    )
     return _local(lambda q, k, v, _: _fa4(q, k, v, opts), q, k, v, None)
 
 
 # ---------------------------------------------------------------- Pallas (Triton lowering, GPU)
+
 
 def _pallas_unavailable():
     return not_nvidia_gpu("Pallas (Triton) attention", min_cc=(8, 0))
@@ -368,17 +419,30 @@ def _pallas_refuses(c: Call):
     return None
 
 
-def _pallas(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, softcap=0.0, return_lse=False,
-            interpret=False):
+def _pallas(
+    q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, softcap=0.0, return_lse=False, interpret=False
+):
     from shared.kernels import pallas_attention
 
     def run(q, k, v, seg):
-        return pallas_attention.attention(q, k, v, segment_ids=seg, causal=causal, window=window, scale=scale,
-                                          softcap=softcap, return_lse=return_lse, interpret=interpret)
+        return pallas_attention.attention(
+            q,
+            k,
+            v,
+            segment_ids=seg,
+            causal=causal,
+            window=window,
+            scale=scale,
+            softcap=softcap,
+            return_lse=return_lse,
+            interpret=interpret,
+        )
+
     return _local(run, q, k, v, segment_ids, return_lse)
 
 
 # ---------------------------------------------------------------- blocked (plain JAX, any platform)
+
 
 def _blocked_refuses(c: Call):
     if c.window is not None and not c.causal and c.q_shape[1] != c.kv_shape[1]:
@@ -388,16 +452,29 @@ def _blocked_refuses(c: Call):
 
 def _blocked_auto_skip(c: Call):
     from shared.kernels import blocked_attention
+
     return blocked_attention.auto_skip(c)
 
 
-def _blocked(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, softcap=0.0, return_lse=False,
-             block=None):
+def _blocked(
+    q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, softcap=0.0, return_lse=False, block=None
+):
     from shared.kernels import blocked_attention
 
     def run(q, k, v, seg):
-        return blocked_attention.attention(q, k, v, segment_ids=seg, causal=causal, window=window, scale=scale,
-                                           softcap=softcap, return_lse=return_lse, block=block)
+        return blocked_attention.attention(
+            q,
+            k,
+            v,
+            segment_ids=seg,
+            causal=causal,
+            window=window,
+            scale=scale,
+            softcap=softcap,
+            return_lse=return_lse,
+            block=block,
+        )
+
     return _local(run, q, k, v, segment_ids, return_lse)
 
 
@@ -417,12 +494,19 @@ def available_backends() -> list[str]:
 
 
 def _choose(call: Call, backend: str) -> Backend:
-    return choose("attention", BACKENDS, call, backend, error=AttentionError,
-                  key=f"q{call.q_shape} window={call.window}" + (" return_lse" if call.return_lse else ""))
+    return choose(
+        "attention",
+        BACKENDS,
+        call,
+        backend,
+        error=AttentionError,
+        key=f"q{call.q_shape} window={call.window}" + (" return_lse" if call.return_lse else ""),
+    )
 
 
-def attention(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, softcap=0.0, return_lse=False,
-              backend="auto"):
+def attention(
+    q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, softcap=0.0, return_lse=False, backend="auto"
+):
     """Multi-head attention with optional causal, sliding-window and document masks and logit soft-capping.
 
     Returns out [B, T, H, D] in q's dtype, or with `return_lse=True` the pair (out, lse), lse
@@ -439,8 +523,16 @@ def attention(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None
         raise AttentionError(f"softcap must be >= 0 (0 = off), got {softcap}")
     if segment_ids is not None and (segment_ids.shape != (B, T) or k.shape[1] != T):
         raise AttentionError(f"segment_ids must be [B, T] = {(B, T)} with T == S, got {segment_ids.shape}")
-    call = Call(tuple(q.shape), tuple(k.shape), jnp.dtype(q.dtype), causal, window, segment_ids is not None,
-                float(softcap), bool(return_lse))
+    call = Call(
+        tuple(q.shape),
+        tuple(k.shape),
+        jnp.dtype(q.dtype),
+        causal,
+        window,
+        segment_ids is not None,
+        float(softcap),
+        bool(return_lse),
+    )
     b = _choose(call, backend)
     kw = dict(return_lse=True) if return_lse else {}  # only when asked: backends that refuse it need no such argument
     return b.run(q, k, v, segment_ids=segment_ids, causal=causal, window=window, scale=scale, softcap=softcap, **kw)

@@ -139,7 +139,7 @@ def _step_mask(d, lo, hi, segs, o):
         mask = real if mask is None else mask & real
     if segs is not None:
         sq, sk = segs
-        same = sq[:, lo:hi, :, None] == sk[:, lo - d:hi - d, None, :]  # [B, n, Bq, Bk]
+        same = sq[:, lo:hi, :, None] == sk[:, lo - d : hi - d, None, :]  # [B, n, Bq, Bk]
         same = same[:, None, :, None]  # [B, 1, n, 1, Bq, Bk]
         mask = same if mask is None else same & mask
     return mask
@@ -177,7 +177,7 @@ def _forward(q, k, v, segs, o):
     m = jnp.full(acc.shape[:-1], -jnp.inf, jnp.float32)
     l = jnp.zeros(acc.shape[:-1], jnp.float32)
     for d, lo, hi in o["steps"]:
-        s, _ = _scores(q[:, :, lo:hi], k[:, :, lo - d:hi - d], o)
+        s, _ = _scores(q[:, :, lo:hi], k[:, :, lo - d : hi - d], o)
         mask = _step_mask(d, lo, hi, segs, o)
         if mask is not None:
             s = jnp.where(mask, s, NEG)
@@ -189,10 +189,10 @@ def _forward(q, k, v, segs, o):
         # at its first visible key. Every real row sees one: itself at offset 0 (causal, or T == S), or
         # every key (non-causal, no window); the rest is refused (attention.py).
         p = jnp.exp(s - m_new[..., None])
-        pv = jnp.einsum("bknqs,bknsd->bknqd", _flat(p).astype(v.dtype), v[:, :, lo - d:hi - d],
-                        preferred_element_type=jnp.float32)
-        acc = lax.dynamic_update_slice_in_dim(
-            acc, alpha[..., None] * acc[:, :, lo:hi] + _groups(pv, G), lo, axis=2)
+        pv = jnp.einsum(
+            "bknqs,bknsd->bknqd", _flat(p).astype(v.dtype), v[:, :, lo - d : hi - d], preferred_element_type=jnp.float32
+        )
+        acc = lax.dynamic_update_slice_in_dim(acc, alpha[..., None] * acc[:, :, lo:hi] + _groups(pv, G), lo, axis=2)
         l = lax.dynamic_update_slice_in_dim(l, alpha * l[:, :, lo:hi] + jnp.sum(p, axis=-1), lo, axis=2)
         m = lax.dynamic_update_slice_in_dim(m, m_new, lo, axis=2)
     seen = l > 0  # padded query rows may see no key
@@ -210,14 +210,18 @@ def _backward(q, k, v, segs, out, lse, dout, dlse, o):
     dk = jnp.zeros(k.shape, jnp.float32)
     dv = jnp.zeros(v.shape, jnp.float32)
     for d, lo, hi in o["steps"]:
-        qs, ks, vs, dos = q[:, :, lo:hi], k[:, :, lo - d:hi - d], v[:, :, lo - d:hi - d], dout[:, :, lo:hi]
+        qs, ks, vs, dos = q[:, :, lo:hi], k[:, :, lo - d : hi - d], v[:, :, lo - d : hi - d], dout[:, :, lo:hi]
         s, dcap = _scores(qs, ks, o)
         mask = _step_mask(d, lo, hi, segs, o)
         if mask is not None:
             s = jnp.where(mask, s, NEG)
         p = jnp.exp(s - lse[:, :, lo:hi, ..., None])
-        dv = _add(dv, lo - d, hi - d, jnp.einsum("bknqs,bknqd->bknsd", _flat(p).astype(dout.dtype), dos,
-                                                 preferred_element_type=jnp.float32))
+        dv = _add(
+            dv,
+            lo - d,
+            hi - d,
+            jnp.einsum("bknqs,bknqd->bknsd", _flat(p).astype(dout.dtype), dos, preferred_element_type=jnp.float32),
+        )
         dp = _groups(jnp.einsum("bknqd,bknsd->bknqs", dos, vs, preferred_element_type=jnp.float32), G)
         ds = p * (dp - delta[:, :, lo:hi, ..., None])
         if dcap is not None:
@@ -250,8 +254,9 @@ def _blocked_bwd(opts, res, cts):
 _blocked.defvjp(_blocked_fwd, _blocked_bwd)
 
 
-def attention(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, softcap=0.0, return_lse=False,
-              block=None):
+def attention(
+    q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, softcap=0.0, return_lse=False, block=None
+):
     """Blocked attention on whole local arrays (no mesh handling: see attention.py's wrapper).
 
     Returns out [B, T, H, D], or with `return_lse` (out, lse [B, T, H] float32), as the reference.
@@ -272,11 +277,20 @@ def attention(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None
     segs = None
     if segment_ids is not None:
         seg = segment_ids.astype(jnp.int32)
-        segs = (jnp.pad(seg, [(0, 0), (0, nq * block - T)], constant_values=-1).reshape(B, nq, block),
-                jnp.pad(seg, [(0, 0), (0, nk * block - S)], constant_values=-1).reshape(B, nk, block))
-    opts = (("G", G), ("block", block), ("S", S), ("causal", bool(causal)), ("window", window),
-            ("scale", D**-0.5 if scale is None else float(scale)), ("softcap", float(softcap)),
-            ("steps", tuple(plan(nq, nk, block, causal, window))))
+        segs = (
+            jnp.pad(seg, [(0, 0), (0, nq * block - T)], constant_values=-1).reshape(B, nq, block),
+            jnp.pad(seg, [(0, 0), (0, nk * block - S)], constant_values=-1).reshape(B, nk, block),
+        )
+    opts = (
+        ("G", G),
+        ("block", block),
+        ("S", S),
+        ("causal", bool(causal)),
+        ("window", window),
+        ("scale", D**-0.5 if scale is None else float(scale)),
+        ("softcap", float(softcap)),
+        ("steps", tuple(plan(nq, nk, block, causal, window))),
+    )
     out, lse = _blocked(blocks(q, nq, Hkv), blocks(k, nk, Hkv), blocks(v, nk, Hkv), segs, opts)
     out = out.reshape(B, Hkv, nq, G, block, D).transpose(0, 2, 4, 1, 3, 5).reshape(B, nq * block, H, D)[:, :T]
     if not return_lse:

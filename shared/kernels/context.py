@@ -100,8 +100,11 @@ def unsplit(params, mesh):
     if AXIS not in names or mesh.shape[AXIS] == 1:
         return params, mesh
     i = names.index(AXIS)
-    whole = jax.sharding.Mesh(np.expand_dims(np.moveaxis(mesh.devices, i, -1), i), (*names, REPLICA),
-                              axis_types=(jax.sharding.AxisType.Explicit,) * (len(names) + 1))
+    whole = jax.sharding.Mesh(
+        np.expand_dims(np.moveaxis(mesh.devices, i, -1), i),
+        (*names, REPLICA),
+        axis_types=(jax.sharding.AxisType.Explicit,) * (len(names) + 1),
+    )
     return jax.tree.map(lambda x: _rewrap(x, whole), params), whole
 
 
@@ -115,8 +118,9 @@ def _rewrap(x, mesh):
     return jax.device_put(x, new)
 
 
-def refusal(seq_len: int, context: int, *, window: int | None = None, chunk: int | None = None,
-            backend: str = "auto") -> str | None:
+def refusal(
+    seq_len: int, context: int, *, window: int | None = None, chunk: int | None = None, backend: str = "auto"
+) -> str | None:
     """Why a row of `seq_len` tokens cannot be split over `context` devices, or None. `window`: the
     longest sliding window of the model (its halo must come from one device); `chunk`: a chunked
     recurrence's chunk size (each device's slice must be whole chunks); `backend`: the attention
@@ -127,21 +131,27 @@ def refusal(seq_len: int, context: int, *, window: int | None = None, chunk: int
         return f"seq_len {seq_len} is not divisible by mesh_context={context}"
     shard = seq_len // context
     if chunk is not None and shard % chunk:
-        return (f"each device's {shard} tokens (seq_len {seq_len} / mesh_context {context}) are not whole "
-                f"chunks of {chunk}: seq_len must be a multiple of mesh_context * chunk_size = {context * chunk}")
+        return (
+            f"each device's {shard} tokens (seq_len {seq_len} / mesh_context {context}) are not whole "
+            f"chunks of {chunk}: seq_len must be a multiple of mesh_context * chunk_size = {context * chunk}"
+        )
     if window is not None and window - 1 > shard:
-        return (f"a window of {window} needs the previous {window - 1} tokens, more than one device's "
-                f"{shard} (seq_len {seq_len} / mesh_context {context}); lower mesh_context or the window")
+        return (
+            f"a window of {window} needs the previous {window - 1} tokens, more than one device's "
+            f"{shard} (seq_len {seq_len} / mesh_context {context}); lower mesh_context or the window"
+        )
     if backend not in ("auto", "reference"):
-        return (f"attention_backend {backend!r} cannot run under context parallelism (mesh_context={context}): "
-                f"only the XLA reference runs per device there; use 'auto' or 'reference'")
+        return (
+            f"attention_backend {backend!r} cannot run under context parallelism (mesh_context={context}): "
+            f"only the XLA reference runs per device there; use 'auto' or 'reference'"
+        )
     return None
 
 
 def _from_previous(x, n, fill):
     """The previous device's last `n` positions of x [B, t, ...] (axis 1); `fill` on the first device."""
     c = jax.lax.axis_size(AXIS)
-    got = jax.lax.ppermute(x[:, x.shape[1] - n:], AXIS, [(i, i + 1) for i in range(c - 1)])
+    got = jax.lax.ppermute(x[:, x.shape[1] - n :], AXIS, [(i, i + 1) for i in range(c - 1)])
     first = jax.lax.axis_index(AXIS) == 0
     return jnp.where(first, jnp.full_like(got, fill), got)
 
@@ -235,10 +245,20 @@ def _zigzag_attention(q, k, v, seg, c, *, scale, softcap, return_lse):
         return _masked(qz, kp[:, :h], vp[:, :h], q_pos, pos(s), seg_q, None if sp is None else sp[:, :h], **kw)
 
     def high_only(s, kp, vp, sp):  # key halves s and 2c-1-s, seen whole by the high half only
-        o, lse = _masked(qz[:, h:], kp, vp, pos(hi), jnp.concatenate([pos(s), pos(2 * c - 1 - s)]),
-                         None if seg_q is None else seg_q[:, h:], sp, **kw)
-        return (jnp.concatenate([jnp.zeros_like(o), o], axis=1),
-                jnp.concatenate([jnp.full_like(lse, -1e30), lse], axis=1))
+        o, lse = _masked(
+            qz[:, h:],
+            kp,
+            vp,
+            pos(hi),
+            jnp.concatenate([pos(s), pos(2 * c - 1 - s)]),
+            None if seg_q is None else seg_q[:, h:],
+            sp,
+            **kw,
+        )
+        return (
+            jnp.concatenate([jnp.zeros_like(o), o], axis=1),
+            jnp.concatenate([jnp.full_like(lse, -1e30), lse], axis=1),
+        )
 
     for i in range(1, c):
         s = (r - i) % c
@@ -278,15 +298,15 @@ def _masked_block(q, k, v, q_pos, k_pos, seg_q, seg_k, *, causal, scale, softcap
     return out, lse
 
 
-def attention(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, softcap=0.0, return_lse=False,
-              backend="auto"):
+def attention(
+    q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, softcap=0.0, return_lse=False, backend="auto"
+):
     """`kernels.attention` for q [B, T, H, D], k, v [B, T, Hkv, D] whose T is sharded over `context`
     (see the module docstring); exactly `kernels.attention(..., backend=backend)` without such an axis."""
     c = size()
     kw = dict(scale=scale, softcap=softcap, return_lse=return_lse)
     if c == 1:
-        return kernel_attention(q, k, v, segment_ids=segment_ids, causal=causal, window=window,
-                                    backend=backend, **kw)
+        return kernel_attention(q, k, v, segment_ids=segment_ids, causal=causal, window=window, backend=backend, **kw)
     if not causal:
         raise AttentionError("context parallelism runs causal attention only")
     why = refusal(q.shape[1], c, window=window, backend=backend)
@@ -303,8 +323,7 @@ def attention(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None
         r = jax.lax.axis_index(AXIS)
         gather = lambda x: jax.lax.all_gather(x, AXIS, axis=1, tiled=True)  # noqa: E731
         seg_k = None if seg is None else gather(seg)
-        return _masked(q, gather(k), gather(v), r * t + jnp.arange(t), jnp.arange(t * c), seg, seg_k,
-                       causal=True, **kw)
+        return _masked(q, gather(k), gather(v), r * t + jnp.arange(t), jnp.arange(t * c), seg, seg_k, causal=True, **kw)
 
     def halo(q, k, v, seg):
         n = window - 1
@@ -313,14 +332,16 @@ def attention(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None
         seg = seg.astype(jnp.int32)
         ext = lambda x, fill: jnp.concatenate([_from_previous(x, n, fill), x], axis=1)  # noqa: E731
         q_ext = jnp.concatenate([jnp.zeros_like(q[:, :n]), q], axis=1)  # the halo's queries are dropped
-        res = attention_reference(q_ext, ext(k, 0), ext(v, 0), segment_ids=ext(seg, OTHER), causal=True,
-                                   window=window, **kw)
+        res = attention_reference(
+            q_ext, ext(k, 0), ext(v, 0), segment_ids=ext(seg, OTHER), causal=True, window=window, **kw
+        )
         return tuple(x[:, n:] for x in res) if return_lse else res[:, n:]
 
     return per_shard(full if window is None else halo, (q, k, v, segment_ids), (qs, kvs, kvs, ss), out_specs)
 
 
 # ---------------------------------------------------------------- short convolution
+
 
 def short_conv(x, w, docs):
     """`kernels.short_conv` for x [B, T, C] with T sharded over `context`; docs [B, T] document
@@ -343,6 +364,7 @@ def short_conv(x, w, docs):
 
 # ---------------------------------------------------------------- KDA
 
+
 def kda(q, k, v, g, beta, *, segment_ids=None, chunk_size=64, impl="xla"):
     """`shared.kernels.kda.kda` (training: no initial state) with T sharded over `context`; returns
     (o, final_state) as it does. See the module docstring for the two passes and the fold."""
@@ -364,8 +386,9 @@ def kda(q, k, v, g, beta, *, segment_ids=None, chunk_size=64, impl="xla"):
         if seg is None:
             seg = jnp.zeros((B, T), jnp.int32)
         # pass 1: from [0 | I] with values [v | 0]: the final state is [S_own | M]
-        start = jnp.concatenate([jnp.zeros((B, H, K, V), f32),
-                                 jnp.broadcast_to(jnp.eye(K, dtype=f32), (B, H, K, K))], axis=-1)
+        start = jnp.concatenate(
+            [jnp.zeros((B, H, K, V), f32), jnp.broadcast_to(jnp.eye(K, dtype=f32), (B, H, K, K))], axis=-1
+        )
         v_ext = jnp.concatenate([v, jnp.zeros(v.shape[:-1] + (K,), v.dtype)], axis=-1)
         _, end = _kda.kda(q, k, v_ext, g, beta, initial_state=start, segment_ids=seg, chunk_size=chunk_size)
         own, M = end[..., :V], end[..., V:]

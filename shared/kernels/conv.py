@@ -51,6 +51,7 @@ def reference(x, w, docs):
 
 # ---------------------------------------------------------------- jax-triton
 
+
 def _triton_local(x, w, docs):
     import jax_triton as jt
 
@@ -67,8 +68,19 @@ def _triton_local(x, w, docs):
         return _fwd(x, w)
 
     def _fwd(x, w):
-        return jt.triton_call(x, w, docs, kernel=tc.conv_fwd, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-                              grid=grid, T=T, C=C, W=W, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C)
+        return jt.triton_call(
+            x,
+            w,
+            docs,
+            kernel=tc.conv_fwd,
+            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            grid=grid,
+            T=T,
+            C=C,
+            W=W,
+            BLOCK_T=BLOCK_T,
+            BLOCK_C=BLOCK_C,
+        )
 
     def fwd(x, w):
         return _fwd(x, w), (x, w)
@@ -76,9 +88,20 @@ def _triton_local(x, w, docs):
     def bwd(res, dout):
         x, w = res
         dx, parts = jt.triton_call(
-            x, w, docs, dout.astype(x.dtype), kernel=tc.conv_bwd,
+            x,
+            w,
+            docs,
+            dout.astype(x.dtype),
+            kernel=tc.conv_bwd,
             out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((B, NT, W, C), jnp.float32)),
-            grid=grid, T=T, C=C, NT=NT, W=W, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C)
+            grid=grid,
+            T=T,
+            C=C,
+            NT=NT,
+            W=W,
+            BLOCK_T=BLOCK_T,
+            BLOCK_C=BLOCK_C,
+        )
         dw = jnp.sum(parts, axis=(0, 1))
         return dx, dw.astype(w.dtype)  # summed over the batch shards by shard_map's transpose
 
@@ -102,8 +125,9 @@ def _triton_refuses(c: Call):
 
 
 BACKENDS: dict[str, Backend] = {
-    "triton": Backend("triton", _triton_unavailable, _triton_refuses, _triton,
-                      lambda c: "not measured against XLA's fused shifts"),
+    "triton": Backend(
+        "triton", _triton_unavailable, _triton_refuses, _triton, lambda c: "not measured against XLA's fused shifts"
+    ),
     "reference": Backend("reference", lambda: None, lambda c: None, reference),
 }
 

@@ -28,8 +28,17 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jax.sharding import reshard
 
-from shared.kernels.dispatch import (Backend, KernelError, choose, missing, not_nvidia_gpu, per_shard, spec, split,
-                                     torch_call)
+from shared.kernels.dispatch import (
+    Backend,
+    KernelError,
+    choose,
+    missing,
+    not_nvidia_gpu,
+    per_shard,
+    spec,
+    split,
+    torch_call,
+)
 
 # Largest number of logits (batch * chunk * vocab) materialised at once, before sharding.
 MAX_LOGITS = 2**27
@@ -79,6 +88,7 @@ def _rows_reference(logits, targets):
 
 # ---------------------------------------------------------------- QuACK (CuTe DSL, torch)
 
+
 def _quack_torch_kernels():
     """(fwd, bwd) on torch tensors, filling the outputs; the tests swap these for a torch stand-in."""
     from quack import cross_entropy as qc
@@ -120,8 +130,14 @@ def _quack_bwd(res, cts):
     So one QuACK pass with per-row weight (g_loss + g_lse), plus g_lse at each row's target."""
     logits, targets, lse = res
     g_loss, g_lse = cts
-    dx = torch_call(_quack_kernel(1), (jax.ShapeDtypeStruct(logits.shape, logits.dtype),),
-                    logits, targets.astype(jnp.int32), (g_loss + g_lse).astype(jnp.float32), lse)[0]
+    dx = torch_call(
+        _quack_kernel(1),
+        (jax.ShapeDtypeStruct(logits.shape, logits.dtype),),
+        logits,
+        targets.astype(jnp.int32),
+        (g_loss + g_lse).astype(jnp.float32),
+        lse,
+    )[0]
     dx = dx.at[jnp.arange(logits.shape[0]), targets].add(g_lse.astype(dx.dtype))
     return dx, None
 
@@ -131,6 +147,7 @@ _rows_quack_local.defvjp(_quack_fwd, _quack_bwd)
 
 def _rows_quack(logits, targets):
     """[B, c, V] fp32 logits -> ([B, c], [B, c]), per device under a mesh."""
+
     def local(lg, t):
         loss, lse = _rows_quack_local(lg.reshape(-1, lg.shape[-1]), t.reshape(-1))
         return loss.reshape(t.shape), lse.reshape(t.shape)
@@ -141,7 +158,8 @@ def _rows_quack(logits, targets):
 
 def _quack_unavailable():
     return not_nvidia_gpu("QuACK cross-entropy", min_cc=(9, 0), max_cc=(10, 3)) or missing(
-        "torch", "tvm_ffi", "quack.cross_entropy")
+        "torch", "tvm_ffi", "quack.cross_entropy"
+    )
 
 
 def _quack_refuses(c: Call):
@@ -151,8 +169,13 @@ def _quack_refuses(c: Call):
 
 
 BACKENDS: dict[str, Backend] = {
-    "quack": Backend("quack", _quack_unavailable, _quack_refuses, _rows_quack,
-                     lambda c: "not measured against XLA's fused reductions"),
+    "quack": Backend(
+        "quack",
+        _quack_unavailable,
+        _quack_refuses,
+        _rows_quack,
+        lambda c: "not measured against XLA's fused reductions",
+    ),
     "reference": Backend("reference", lambda: None, lambda c: None, _rows_reference),
 }
 
@@ -178,8 +201,9 @@ def cross_entropy(hidden, w_out, targets, mask, *, max_logits=MAX_LOGITS, backen
     c = _chunk_len(B * S, T // S, V, max_logits)
     n = T // (S * c)
     call = Call((B, S * c, V), split(w_out, -1))
-    rows = choose("cross_entropy", BACKENDS, call, backend, error=CrossEntropyError,
-                  key=f"logits chunk {call.logits_shape}").run
+    rows = choose(
+        "cross_entropy", BACKENDS, call, backend, error=CrossEntropyError, key=f"logits chunk {call.logits_shape}"
+    ).run
 
     def by_chunk(x):  # [B, T, ...] -> [n, B, c, ...], or [n, B, S, c, ...]: the n-th chunk of each device's part
         if S == 1:
@@ -197,8 +221,9 @@ def cross_entropy(hidden, w_out, targets, mask, *, max_logits=MAX_LOGITS, backen
     if n == 1:  # one chunk holds every logit anyway: keep them for the backward pass
         (nll, zsq), _ = chunk((zero, zero), (hidden, targets, mask.astype(jnp.float32)))
         return nll, zsq
-    (nll, zsq), _ = jax.lax.scan(jax.checkpoint(chunk), (zero, zero),
-                                 (by_chunk(hidden), by_chunk(targets), by_chunk(mask.astype(jnp.float32))))
+    (nll, zsq), _ = jax.lax.scan(
+        jax.checkpoint(chunk), (zero, zero), (by_chunk(hidden), by_chunk(targets), by_chunk(mask.astype(jnp.float32)))
+    )
     return nll, zsq
 
 

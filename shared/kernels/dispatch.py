@@ -151,8 +151,10 @@ def choose(op: str, registry: dict, call, backend: str, *, error=KernelError, ke
         backend, how = forced(op), "named by STENCIL_KERNELS"
     if backend != "auto":
         if backend not in registry:
-            raise error(f"unknown {op} backend {backend!r}; known: {sorted(registry)} or 'auto'",
-                        refusal=refusal(registry, backend, call))
+            raise error(
+                f"unknown {op} backend {backend!r}; known: {sorted(registry)} or 'auto'",
+                refusal=refusal(registry, backend, call),
+            )
         why = refusal(registry, backend, call)
         if why:
             raise error(f"{op} backend {backend!r} cannot run this call: {why}", refusal=why)
@@ -170,6 +172,7 @@ def choose(op: str, registry: dict, call, backend: str, *, error=KernelError, ke
 
 
 # ---------------------------------------------------------------- helpers for backends
+
 
 @functools.cache
 def missing(*modules: str) -> str | None:
@@ -196,8 +199,7 @@ def not_nvidia_gpu(what: str, min_cc: tuple[int, int] | None = None, max_cc: tup
         return f"{what} needs an NVIDIA GPU; this device is {dev.device_kind!r}"
     major, minor = (int(x) for x in str(cc).split(".")[:2])
     if (min_cc and (major, minor) < min_cc) or (max_cc and (major, minor) > max_cc):
-        return (f"{what} needs compute capability {min_cc} to {max_cc}; "
-                f"this GPU ({dev.device_kind}) is {major}.{minor}")
+        return f"{what} needs compute capability {min_cc} to {max_cc}; this GPU ({dev.device_kind}) is {major}.{minor}"
     return None
 
 
@@ -220,8 +222,10 @@ def check_specs(where: str, tree: dict, specs: dict, error=KernelError) -> None:
         elif x is not None:
             got, want = spec(x), tuple(want) + (None,) * (x.ndim - len(tuple(want)))
             if got != want:
-                raise error(f"{where}[{name!r}] is sharded {P(*got)}, expected {P(*want)} (the model's cache_specs; "
-                            f"init_cache builds it so, or jax.sharding.reshard(..., {P(*want)}))")
+                raise error(
+                    f"{where}[{name!r}] is sharded {P(*got)}, expected {P(*want)} (the model's cache_specs; "
+                    f"init_cache builds it so, or jax.sharding.reshard(..., {P(*want)}))"
+                )
 
 
 def split(x, dim: int) -> bool:
@@ -258,12 +262,16 @@ def per_shard(fn, args, in_specs, out_specs):
             full[i] = x
         return fn(*full)
 
-    return jax.shard_map(inner, in_specs=tuple(P(*in_specs[i]) for i in idx),
-                         out_specs=tuple(P(*o) for o in out_specs) if isinstance(out_specs, list) else P(*out_specs),
-                         check_vma=False)(*[args[i] for i in idx])
+    return jax.shard_map(
+        inner,
+        in_specs=tuple(P(*in_specs[i]) for i in idx),
+        out_specs=tuple(P(*o) for o in out_specs) if isinstance(out_specs, list) else P(*out_specs),
+        check_vma=False,
+    )(*[args[i] for i in idx])
 
 
 # ---------------------------------------------------------------- torch kernels inside a JAX program
+
 
 def torch_call(host, out_shapes, *args, opts: tuple = ()):
     """Run `host(*inputs, *outputs, **dict(opts))` on torch views of XLA's buffers, in the compiled program.
@@ -289,8 +297,10 @@ def _torch_host(host, opts, ctx, outs, *ins):
         import tvm_ffi
 
         dev = ts[0].device
-        with torch.cuda.stream(torch.cuda.ExternalStream(ctx.stream, device=dev)), \
-                tvm_ffi.use_raw_stream(tvm_ffi.device(f"cuda:{dev.index}"), ctx.stream):
+        with (
+            torch.cuda.stream(torch.cuda.ExternalStream(ctx.stream, device=dev)),
+            tvm_ffi.use_raw_stream(tvm_ffi.device(f"cuda:{dev.index}"), ctx.stream),
+        ):
             host(*ts, **dict(opts))
     else:
         host(*ts, **dict(opts))

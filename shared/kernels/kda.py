@@ -175,11 +175,16 @@ def run_masks(doc, chunk_size: int):
     prev = jnp.concatenate([doc[:, :1, :1], doc[:, :-1, -1:]], axis=1)  # [B, N, 1]: the token before each chunk
     last = doc[..., -1:]
     f32 = jnp.float32
-    return ((doc[..., :, None] == doc[..., None, :]).astype(f32), (doc == prev).astype(f32),
-            (doc == last).astype(f32), (last == prev).astype(f32))
+    return (
+        (doc[..., :, None] == doc[..., None, :]).astype(f32),
+        (doc == prev).astype(f32),
+        (doc == last).astype(f32),
+        (last == prev).astype(f32),
+    )
 
 
 # ---------------------------------------------------------------- the reference: one token at a time
+
 
 def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None):
     """The KDA recurrence with `jax.lax.scan` over time (fp32). Returns (o [B,T,H,V], state [B,H,K,V])."""
@@ -191,8 +196,11 @@ def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, segment_i
     doc = runs(segment_ids, B, T)
     start = jnp.concatenate([jnp.zeros((B, 1), bool), doc[:, 1:] != doc[:, :-1]], axis=1)
     b, _, h, _ = spec(q)
-    S0 = (jnp.zeros((B, H, K, V), jnp.float32, out_sharding=named(b, h, None, None)) if initial_state is None
-          else initial_state.astype(jnp.float32))
+    S0 = (
+        jnp.zeros((B, H, K, V), jnp.float32, out_sharding=named(b, h, None, None))
+        if initial_state is None
+        else initial_state.astype(jnp.float32)
+    )
 
     def step(S, x):
         qt, kt, vt, gt, bt, st = x
@@ -206,6 +214,7 @@ def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, segment_i
 
 
 # ---------------------------------------------------------------- the chunked algorithm
+
 
 def _pairwise(x, y, g):
     """M[..., m, t, s] = sum_c x_tc y_sc exp(sum_{s<r<=t} g_rc) for s < t, else 0, on blocks x, y, g [..., M, n, K].
@@ -252,12 +261,12 @@ def unit_lower_inverse(M):
     h = n // 2
     R = M[..., h:, :h]
     diag = jnp.concatenate([M[..., :h, :h], M[..., h:, h:]], axis=-2)  # [..., m, 2h, h]
-    sub = reshape(unit_lower_inverse(reshape(diag, (*lead, 2 * m, h, h), len(lead))), (*lead, m, 2 * h, h),
-                   len(lead))
+    sub = reshape(unit_lower_inverse(reshape(diag, (*lead, 2 * m, h, h), len(lead))), (*lead, m, 2 * h, h), len(lead))
     Pi, Qi = sub[..., :h, :], sub[..., h:, :]
     low = -jnp.einsum("...ij,...jk,...kl->...il", Qi, R, Pi)
-    return jnp.concatenate([jnp.concatenate([Pi, jnp.zeros_like(low)], axis=-1),
-                            jnp.concatenate([low, Qi], axis=-1)], axis=-2)
+    return jnp.concatenate(
+        [jnp.concatenate([Pi, jnp.zeros_like(low)], axis=-1), jnp.concatenate([low, Qi], axis=-1)], axis=-2
+    )
 
 
 def _pairwise_xla(q, k, g):
@@ -314,8 +323,11 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None, c
     Kout = jnp.exp(_after(gc)) * kc * keeps[..., None]  # k_s decayed to the chunk's end
     decay_all = jnp.exp(G[..., -1, :]) * carries  # [B, H, N, K]
 
-    S0 = (jnp.zeros((B, H, K, V), f32, out_sharding=named(b, h, None, None)) if initial_state is None
-          else initial_state.astype(f32))
+    S0 = (
+        jnp.zeros((B, H, K, V), f32, out_sharding=named(b, h, None, None))
+        if initial_state is None
+        else initial_state.astype(f32)
+    )
 
     def step(S, xs):
         W, U, Kout, decay = xs
@@ -328,13 +340,13 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None, c
     S_in, delta = jnp.moveaxis(S_in, 0, 2), jnp.moveaxis(delta, 0, 2)  # [B, H, N, K, V], [B, H, N, C, V]
     # The XLA:CPU miscompile workaround (see the docstring): no fusion across the scan's output.
     delta = jax.lax.optimization_barrier(delta)
-    o = (jnp.einsum("bhntk,bhnkv->bhntv", scale * decay_in * qc, S_in)
-         + jnp.einsum("bhnts,bhnsv->bhntv", Aqk, delta))
+    o = jnp.einsum("bhntk,bhnkv->bhntv", scale * decay_in * qc, S_in) + jnp.einsum("bhnts,bhnsv->bhntv", Aqk, delta)
     o = jnp.moveaxis(reshape(o, (B, H, Tp, V), 2), 1, 2)[:, :T]  # [B, T, H, V]
     return o.astype(v.dtype), S
 
 
 # ---------------------------------------------------------------- Pallas: the pairwise decayed products
+
 
 def _pairwise_kernel(q_ref, k_ref, g_ref, akk_ref, aqk_ref):
     """One chunk of one head: akk [C, C] (s < t) and aqk [C, C] (s <= t), before beta, scale and masks.
@@ -377,8 +389,13 @@ def _pairwise_call(q, k, G, interpret):
     spec_out = pl.BlockSpec((None, C, C), lambda i: (i, 0, 0))
     out = jax.ShapeDtypeStruct((n, C, C), jnp.float32)
     akk, aqk = pl.pallas_call(
-        _pairwise_kernel, out_shape=(out, out), grid=(n,), in_specs=[spec_in] * 3, out_specs=(spec_out, spec_out),
-        interpret=interpret, compiler_params=None if interpret else plt.CompilerParams(num_warps=4, num_stages=1),
+        _pairwise_kernel,
+        out_shape=(out, out),
+        grid=(n,),
+        in_specs=[spec_in] * 3,
+        out_specs=(spec_out, spec_out),
+        interpret=interpret,
+        compiler_params=None if interpret else plt.CompilerParams(num_warps=4, num_stages=1),
         name="kda_pairwise",
     )(flat(q), flat(k), flat(G))
     return akk.reshape(*lead, C, C), aqk.reshape(*lead, C, C)
@@ -409,6 +426,7 @@ def _pairwise_pallas(q, k, g, interpret):
 
 # ---------------------------------------------------------------- FLOPs
 
+
 def kda_flops_per_token(T: int, H: int, K: int, V: int, chunk_size: int = 64, training: bool = True) -> float:
     """Matmul FLOPs per token of `kda` as computed (2 per multiply-add), x3 for training (fwd + 2x bwd).
 
@@ -430,4 +448,3 @@ def kda_flops_per_token(T: int, H: int, K: int, V: int, chunk_size: int = 64, tr
     out = C * K * V + C * C * V
     per_chunk = 2 * (pairs + inverse + wu + scan + out) * H
     return (3.0 if training else 1.0) * N * per_chunk / T
-

@@ -39,6 +39,7 @@ NEG = -1e30  # masked logit; rows always keep >= 1 visible key (see `refuses` in
 
 def _compiler_params(num_warps):
     from jax.experimental.pallas import triton as plgpu  # GPU-only import, inside the call
+
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
 
 
@@ -90,6 +91,7 @@ def _query_range(j, *, block, nq, causal, window):
 
 # ---------------------------------------------------------------- forward
 
+
 def _fwd_kernel(*refs, scale, softcap, causal, window, T, S, block, nk, has_seg):
     if has_seg:
         q_ref, k_ref, v_ref, sq_ref, sk_ref, o_ref, lse_ref = refs
@@ -106,8 +108,16 @@ def _fwd_kernel(*refs, scale, softcap, causal, window, T, S, block, nk, has_seg)
         ks = pl.ds(j * block, block)
         k, v = k_ref[ks, :], v_ref[ks, :]
         s, _ = _scores(q, k, scale, softcap)
-        ok = _visible(qpos, j * block + jnp.arange(block), T=T, S=S, causal=causal, window=window,
-                      sq=sq, sk=sk_ref[ks] if has_seg else None)
+        ok = _visible(
+            qpos,
+            j * block + jnp.arange(block),
+            T=T,
+            S=S,
+            causal=causal,
+            window=window,
+            sq=sq,
+            sk=sk_ref[ks] if has_seg else None,
+        )
         s = jnp.where(ok, s, NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
@@ -117,8 +127,11 @@ def _fwd_kernel(*refs, scale, softcap, causal, window, T, S, block, nk, has_seg)
         return acc, m_new, l
 
     lo, hi = _key_range(i, block=block, nk=nk, causal=causal, window=window)
-    init = (jnp.zeros((block, Dp), jnp.float32), jnp.full((block,), -jnp.inf, jnp.float32),
-            jnp.zeros((block,), jnp.float32))
+    init = (
+        jnp.zeros((block, Dp), jnp.float32),
+        jnp.full((block,), -jnp.inf, jnp.float32),
+        jnp.zeros((block,), jnp.float32),
+    )
     acc, m, l = lax.fori_loop(lo, hi, body, init)
     l = jnp.where(l == 0.0, 1.0, l)  # padded rows only: they are sliced off
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
@@ -130,27 +143,47 @@ def _forward(q, k, v, seg, *, scale, softcap, causal, window, T, S, block, inter
     Sp, Hkv = k.shape[1], k.shape[2]
     G, nq, nk = H // Hkv, Tp // block, Sp // block
     has_seg = seg is not None
-    in_specs = [pl.BlockSpec((None, block, None, Dp), lambda i, b, h: (b, i, h, 0)),
-                pl.BlockSpec((None, Sp, None, Dp), lambda i, b, h: (b, 0, h // G, 0)),
-                pl.BlockSpec((None, Sp, None, Dp), lambda i, b, h: (b, 0, h // G, 0))]
+    in_specs = [
+        pl.BlockSpec((None, block, None, Dp), lambda i, b, h: (b, i, h, 0)),
+        pl.BlockSpec((None, Sp, None, Dp), lambda i, b, h: (b, 0, h // G, 0)),
+        pl.BlockSpec((None, Sp, None, Dp), lambda i, b, h: (b, 0, h // G, 0)),
+    ]
     args = [q, k, v]
     if has_seg:
-        in_specs += [pl.BlockSpec((None, block), lambda i, b, h: (b, i)),
-                     pl.BlockSpec((None, Sp), lambda i, b, h: (b, 0))]
+        in_specs += [
+            pl.BlockSpec((None, block), lambda i, b, h: (b, i)),
+            pl.BlockSpec((None, Sp), lambda i, b, h: (b, 0)),
+        ]
         args += [seg, seg]
-    kernel = functools.partial(_fwd_kernel, scale=scale, softcap=softcap, causal=causal, window=window,
-                               T=T, S=S, block=block, nk=nk, has_seg=has_seg)
+    kernel = functools.partial(
+        _fwd_kernel,
+        scale=scale,
+        softcap=softcap,
+        causal=causal,
+        window=window,
+        T=T,
+        S=S,
+        block=block,
+        nk=nk,
+        has_seg=has_seg,
+    )
     return pl.pallas_call(
-        kernel, grid=(nq, B, H), in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, block, None, Dp), lambda i, b, h: (b, i, h, 0)),
-                   pl.BlockSpec((None, None, block), lambda i, b, h: (b, h, i))],
+        kernel,
+        grid=(nq, B, H),
+        in_specs=in_specs,
+        out_specs=[
+            pl.BlockSpec((None, block, None, Dp), lambda i, b, h: (b, i, h, 0)),
+            pl.BlockSpec((None, None, block), lambda i, b, h: (b, h, i)),
+        ],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)],
         compiler_params=None if interpret else _compiler_params(4 if Dp <= 64 else 8),
-        interpret=interpret, name="stencil_flash_fwd",
+        interpret=interpret,
+        name="stencil_flash_fwd",
     )(*args)
 
 
 # ---------------------------------------------------------------- backward
+
 
 def _dq_kernel(*refs, scale, softcap, causal, window, T, S, block, nk, has_seg):
     if has_seg:
@@ -166,8 +199,16 @@ def _dq_kernel(*refs, scale, softcap, causal, window, T, S, block, nk, has_seg):
         ks = pl.ds(j * block, block)
         k, v = k_ref[ks, :], v_ref[ks, :]
         s, dcap = _scores(q, k, scale, softcap)
-        ok = _visible(qpos, j * block + jnp.arange(block), T=T, S=S, causal=causal, window=window,
-                      sq=sq, sk=sk_ref[ks] if has_seg else None)
+        ok = _visible(
+            qpos,
+            j * block + jnp.arange(block),
+            T=T,
+            S=S,
+            causal=causal,
+            window=window,
+            sq=sq,
+            sk=sk_ref[ks] if has_seg else None,
+        )
         p = jnp.where(ok, jnp.exp(s - lse[:, None]), 0.0)
         ds = p * (_dot_t(do, v) - delta[:, None])
         if dcap is not None:
@@ -194,8 +235,16 @@ def _dkv_kernel(*refs, scale, softcap, causal, window, T, S, block, nq, has_seg)
         qs = pl.ds(i * block, block)
         q, do, lse, delta = q_ref[qs, :], do_ref[qs, :], lse_ref[qs], dl_ref[qs]
         s, dcap = _scores(q, k, scale, softcap)
-        ok = _visible(i * block + jnp.arange(block), kpos, T=T, S=S, causal=causal, window=window,
-                      sq=sq_ref[qs] if has_seg else None, sk=sk)
+        ok = _visible(
+            i * block + jnp.arange(block),
+            kpos,
+            T=T,
+            S=S,
+            causal=causal,
+            window=window,
+            sq=sq_ref[qs] if has_seg else None,
+            sk=sk,
+        )
         p = jnp.where(ok, jnp.exp(s - lse[:, None]), 0.0)
         dv = dv + _dot_tn(p.astype(do.dtype), do)
         ds = p * (_dot_t(do, v) - delta[:, None])
@@ -219,8 +268,7 @@ def _backward(q, k, v, seg, o, lse, do, dlse, *, scale, softcap, causal, window,
     # dS = P * (dP - delta) with delta = rowsum(dO * O); a cotangent g on lse adds P * g
     # (d lse / d S = P), so it is folded into delta.
     delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32)) - dlse
-    common = dict(scale=scale, softcap=softcap, causal=causal, window=window, T=T, S=S, block=block,
-                  has_seg=has_seg)
+    common = dict(scale=scale, softcap=softcap, causal=causal, window=window, T=T, S=S, block=block, has_seg=has_seg)
     params = None if interpret else _compiler_params(4 if Dp <= 64 else 8)
 
     # dQ: one program per (query block, b, h), as the forward.
@@ -230,11 +278,19 @@ def _backward(q, k, v, seg, o, lse, do, dlse, *, scale, softcap, causal, window,
     in_specs = [qblk, kall, kall, qblk, rowblk, rowblk]
     args = [q, k, v, do, lse, delta]
     if has_seg:
-        in_specs += [pl.BlockSpec((None, block), lambda i, b, h: (b, i)), pl.BlockSpec((None, Sp), lambda i, b, h: (b, 0))]
+        in_specs += [
+            pl.BlockSpec((None, block), lambda i, b, h: (b, i)),
+            pl.BlockSpec((None, Sp), lambda i, b, h: (b, 0)),
+        ]
         args += [seg, seg]
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, nk=nk, **common), grid=(nq, B, H), in_specs=in_specs, out_specs=qblk,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), compiler_params=params, interpret=interpret,
+        functools.partial(_dq_kernel, nk=nk, **common),
+        grid=(nq, B, H),
+        in_specs=in_specs,
+        out_specs=qblk,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=params,
+        interpret=interpret,
         name="stencil_flash_dq",
     )(*args)
 
@@ -246,13 +302,21 @@ def _backward(q, k, v, seg, o, lse, do, dlse, *, scale, softcap, causal, window,
     in_specs = [qall, kblk, kblk, qall, rowall, rowall]
     args = [q, k, v, do, lse, delta]
     if has_seg:
-        in_specs += [pl.BlockSpec((None, Tp), lambda j, b, h: (b, 0)), pl.BlockSpec((None, block), lambda j, b, h: (b, j))]
+        in_specs += [
+            pl.BlockSpec((None, Tp), lambda j, b, h: (b, 0)),
+            pl.BlockSpec((None, block), lambda j, b, h: (b, j)),
+        ]
         args += [seg, seg]
     out_dtype = k.dtype if G == 1 else jnp.float32
     dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, nq=nq, **common), grid=(nk, B, H), in_specs=in_specs,
-        out_specs=[outblk, outblk], out_shape=[jax.ShapeDtypeStruct((B, Sp, H, Dp), out_dtype)] * 2,
-        compiler_params=params, interpret=interpret, name="stencil_flash_dkv",
+        functools.partial(_dkv_kernel, nq=nq, **common),
+        grid=(nk, B, H),
+        in_specs=in_specs,
+        out_specs=[outblk, outblk],
+        out_shape=[jax.ShapeDtypeStruct((B, Sp, H, Dp), out_dtype)] * 2,
+        compiler_params=params,
+        interpret=interpret,
+        name="stencil_flash_dkv",
     )(*args)
     if G > 1:
         dk = dk.reshape(B, Sp, Hkv, G, Dp).sum(3).astype(k.dtype)
@@ -261,6 +325,7 @@ def _backward(q, k, v, seg, o, lse, do, dlse, *, scale, softcap, causal, window,
 
 
 # ---------------------------------------------------------------- custom VJP and entry point
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _flash(q, k, v, seg, opts):
@@ -287,8 +352,20 @@ def default_block(T: int) -> int:
     return 16 if T <= 16 else 32 if T <= 32 else 64
 
 
-def attention(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None, softcap=0.0,
-              return_lse=False, block=None, interpret=False):
+def attention(
+    q,
+    k,
+    v,
+    *,
+    segment_ids=None,
+    causal=True,
+    window=None,
+    scale=None,
+    softcap=0.0,
+    return_lse=False,
+    block=None,
+    interpret=False,
+):
     """Pallas flash attention on whole local arrays (no mesh handling: see attention.py's wrapper).
 
     Returns out [B, T, H, D], or with `return_lse` (out, lse [B, T, H] float32), as the reference.
@@ -307,8 +384,16 @@ def attention(q, k, v, *, segment_ids=None, causal=True, window=None, scale=None
         return jnp.pad(x, [(0, 0), (0, L - x.shape[1]), (0, 0), (0, Dp - D)])
 
     seg = None if segment_ids is None else jnp.pad(segment_ids.astype(jnp.int32), [(0, 0), (0, Tp - T)])
-    opts = (("scale", scale), ("softcap", float(softcap)), ("causal", bool(causal)), ("window", window),
-            ("T", T), ("S", S), ("block", block), ("interpret", bool(interpret)))
+    opts = (
+        ("scale", scale),
+        ("softcap", float(softcap)),
+        ("causal", bool(causal)),
+        ("window", window),
+        ("T", T),
+        ("S", S),
+        ("block", block),
+        ("interpret", bool(interpret)),
+    )
     out, lse = _flash(pad(q, Tp), pad(k, Sp), pad(v, Sp), seg, opts)
     out = out[:, :T, :, :D]
     return (out, lse[:, :, :T].transpose(0, 2, 1)) if return_lse else out

@@ -23,8 +23,17 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from shared.kernels.dispatch import (Backend, KernelError, choose, missing, not_nvidia_gpu, per_shard, spec, split,
-                                     torch_call)
+from shared.kernels.dispatch import (
+    Backend,
+    KernelError,
+    choose,
+    missing,
+    not_nvidia_gpu,
+    per_shard,
+    spec,
+    split,
+    torch_call,
+)
 
 
 class NormError(KernelError):
@@ -45,6 +54,7 @@ def reference(x, w, *, eps):
 
 
 # ---------------------------------------------------------------- QuACK (CuTe DSL, torch)
+
 
 def _quack_torch_kernels():
     """(fwd, bwd) on torch tensors, filling the outputs; the tests swap these for a torch stand-in."""
@@ -100,7 +110,9 @@ def _quack(x, w, *, eps):
 
 
 def _quack_unavailable():
-    return not_nvidia_gpu("QuACK RMSNorm", min_cc=(9, 0), max_cc=(10, 3)) or missing("torch", "tvm_ffi", "quack.rmsnorm")
+    return not_nvidia_gpu("QuACK RMSNorm", min_cc=(9, 0), max_cc=(10, 3)) or missing(
+        "torch", "tvm_ffi", "quack.rmsnorm"
+    )
 
 
 def _quack_refuses(c: Call):
@@ -112,8 +124,13 @@ def _quack_refuses(c: Call):
 
 
 BACKENDS: dict[str, Backend] = {
-    "quack": Backend("quack", _quack_unavailable, _quack_refuses, _quack,
-                     lambda c: "a Python callback per norm is not measured to beat XLA's fused norm"),
+    "quack": Backend(
+        "quack",
+        _quack_unavailable,
+        _quack_refuses,
+        _quack,
+        lambda c: "a Python callback per norm is not measured to beat XLA's fused norm",
+    ),
     "reference": Backend("reference", lambda: None, lambda c: None, reference),
 }
 

@@ -64,9 +64,11 @@ def _err(a, b):
 
 def _fwd_bwd(fn, n_diff):
     """jit(value_and_grad) of sum(fn(*args) * ct) w.r.t. the first n_diff args; ct is the last arg."""
+
     def loss(*args):
         *xs, ct = args
         return jnp.sum(fn(*xs).astype(jnp.float32) * ct)
+
     return jax.jit(jax.value_and_grad(loss, tuple(range(n_diff))))
 
 
@@ -81,11 +83,17 @@ def _cases(quick: bool, gpu: bool, shape=None, window=None):
     q, k, v = rand(B, T, H, D), rand(B, T, Hkv, D), rand(B, T, Hkv, D)
     seg = jnp.asarray((np.arange(T) * 4 // T)[None].repeat(B, 0), jnp.int32)  # 4 documents a row
     W = window or max(1, T // 4)
-    for name, kw in (("causal", {}), (f"window {W}", {"window": W}), ("causal + documents", {"segment_ids": seg}),
-                     ("causal + softcap 30", {"softcap": 30.0})):
+    for name, kw in (
+        ("causal", {}),
+        (f"window {W}", {"window": W}),
+        ("causal + documents", {"segment_ids": seg}),
+        ("causal + softcap 30", {"softcap": 30.0}),
+    ):
         fl = flops.attention_flops_per_token(T, H, D, window=kw.get("window")) * B * T
-        impls = {b: (lambda b, kw: lambda q, k, v: kernels.attention(q, k, v, backend=b, **kw))(b, kw)
-                 for b in kernels.available_backends("attention")}
+        impls = {
+            b: (lambda b, kw: lambda q, k, v: kernels.attention(q, k, v, backend=b, **kw))(b, kw)
+            for b in kernels.available_backends("attention")
+        }
         if not gpu:
             impls["pallas (interpret)"] = (lambda kw: lambda q, k, v: A._pallas(q, k, v, interpret=True, **kw))(kw)
         ref = (lambda kw: lambda q, k, v: A.reference(q, k, v, **kw))(kw)
@@ -102,23 +110,54 @@ def _cases(quick: bool, gpu: bool, shape=None, window=None):
         impls["pallas"] = lambda *a: KDA.kda(*a, chunk_size=64, impl="pallas")[0]
     else:
         impls["pallas (interpret)"] = lambda *a: KDA.kda(*a, chunk_size=64, impl="pallas_interpret")[0]
-    yield ("kda", f"B{B} T{Tk} H{Hk} K=V={Dk} chunk 64", impls, lambda *a: KDA.kda_recurrent(*a)[0],
-           (kq, kk, kv, g, beta), 5, rand(B, Tk, Hk, Dk), fl, None)
+    yield (
+        "kda",
+        f"B{B} T{Tk} H{Hk} K=V={Dk} chunk 64",
+        impls,
+        lambda *a: KDA.kda_recurrent(*a)[0],
+        (kq, kk, kv, g, beta),
+        5,
+        rand(B, Tk, Hk, Dk),
+        fl,
+        None,
+    )
 
     M, Dn = (512, 256) if quick else (16384, 4096)
     x, w = rand(M, Dn), 1 + 0.1 * rand(Dn, dtype=jnp.float32)
-    impls = {b: (lambda b: lambda x, w: kernels.rms_norm(x, w, backend=b))(b) for b in kernels.available_backends("rms_norm")}
+    impls = {
+        b: (lambda b: lambda x, w: kernels.rms_norm(x, w, backend=b))(b) for b in kernels.available_backends("rms_norm")
+    }
     nbytes = 2 * x.size * x.dtype.itemsize
-    yield ("rms_norm", f"[{M}, {Dn}]", impls, lambda x, w: NORM.reference(x, w, eps=1e-5), (x, w), 2, rand(M, Dn),
-           None, 3 * nbytes)  # forward reads x, writes y; backward reads x, dy, writes dx
+    yield (
+        "rms_norm",
+        f"[{M}, {Dn}]",
+        impls,
+        lambda x, w: NORM.reference(x, w, eps=1e-5),
+        (x, w),
+        2,
+        rand(M, Dn),
+        None,
+        3 * nbytes,
+    )  # forward reads x, writes y; backward reads x, dy, writes dx
 
     Bc, Tc, C = (2, 256, 128) if quick else (4, 4096, 4096)
     xc, taps = rand(Bc, Tc, C), rand(4, C, scale=0.5)
     docs = jnp.asarray(np.repeat(np.arange(4), Tc // 4)[None].repeat(Bc, 0), jnp.int32)
-    impls = {b: (lambda b: lambda x, w: kernels.short_conv(x, w, docs, backend=b))(b)
-             for b in kernels.available_backends("short_conv")}
-    yield ("short_conv", f"[{Bc}, {Tc}, {C}] W4", impls, lambda x, w: CONV.reference(x, w, docs), (xc, taps), 2,
-           rand(Bc, Tc, C), None, 5 * xc.size * xc.dtype.itemsize)
+    impls = {
+        b: (lambda b: lambda x, w: kernels.short_conv(x, w, docs, backend=b))(b)
+        for b in kernels.available_backends("short_conv")
+    }
+    yield (
+        "short_conv",
+        f"[{Bc}, {Tc}, {C}] W4",
+        impls,
+        lambda x, w: CONV.reference(x, w, docs),
+        (xc, taps),
+        2,
+        rand(Bc, Tc, C),
+        None,
+        5 * xc.size * xc.dtype.itemsize,
+    )
 
     Be, Te, De, V = (2, 64, 64, 1000) if quick else (4, 2048, 2048, 32768)
     h, wu = rand(Be, Te, De), rand(De, V, scale=De**-0.5)
@@ -137,7 +176,7 @@ OPS = ("attention", "kda", "rms_norm", "short_conv", "cross_entropy")
 
 
 def parse_shape(text: str) -> tuple[int, int, int, int, int]:
-    """"B,T,H,Hkv,D" -> five positive ints with H a multiple of Hkv; ValueError saying what is wrong."""
+    """ "B,T,H,Hkv,D" -> five positive ints with H a multiple of Hkv; ValueError saying what is wrong."""
     parts = text.split(",")
     if len(parts) != 5 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
         raise ValueError(f"--shape must be five positive integers B,T,H,Hkv,D, got {text!r}")
@@ -173,8 +212,10 @@ def run(quick: bool = False, repeats: int = 3, ops=OPS, out=sys.stdout, shape=No
                     print(f"{op:<13} {case:<38} {name:<19} refused: {e.refusal}", file=out)
                     refused.append((op, case, name))
                     continue
-                print(f"{op:<13} {case:<38} {name:<19} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:120]}",
-                      file=out)
+                print(
+                    f"{op:<13} {case:<38} {name:<19} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:120]}",
+                    file=out,
+                )
                 failed.append((op, case, name))
                 continue
             e_out = _err(y, want_y)
@@ -190,8 +231,11 @@ def run(quick: bool = False, repeats: int = 3, ops=OPS, out=sys.stdout, shape=No
             ok = e_out <= tol and e_grad <= tol
             if not ok:
                 failed.append((op, case, name))
-            print(f"{op:<13} {case:<38} {name:<19} {e_out:8.1e} {e_grad:8.1e} {secs * 1e3:9.2f} {rate:>15}"
-                  + ("" if ok else "  <-- over tolerance"), file=out)
+            print(
+                f"{op:<13} {case:<38} {name:<19} {e_out:8.1e} {e_grad:8.1e} {secs * 1e3:9.2f} {rate:>15}"
+                + ("" if ok else "  <-- over tolerance"),
+                file=out,
+            )
     if refused:
         print(f"{len(refused)} case(s) refused by a backend (not failures): {refused}", file=out)
     print(f"{len(failed)} backend check(s) failed: {failed}" if failed else "all backends within tolerance", file=out)
@@ -203,8 +247,12 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small shapes (seconds)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
-    ap.add_argument("--shape", default=None, help="B,T,H,Hkv,D of the attention cases, e.g. 32,128,4,2,32 "
-                                                      "(default 1,256,4,2,64 with --quick, else 4,4096,32,8,128)")
+    ap.add_argument(
+        "--shape",
+        default=None,
+        help="B,T,H,Hkv,D of the attention cases, e.g. 32,128,4,2,32 "
+        "(default 1,256,4,2,64 with --quick, else 4,4096,32,8,128)",
+    )
     ap.add_argument("--window", type=int, default=None, help="the attention window case's W (default T // 4)")
     a = ap.parse_args(argv)
     ops = tuple(a.ops.split(","))

@@ -15,8 +15,17 @@ import triton.language as tl
 
 
 @triton.jit
-def conv_fwd(x_ptr, w_ptr, doc_ptr, out_ptr, T: tl.constexpr, C: tl.constexpr, W: tl.constexpr,
-             BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+def conv_fwd(
+    x_ptr,
+    w_ptr,
+    doc_ptr,
+    out_ptr,
+    T: tl.constexpr,
+    C: tl.constexpr,
+    W: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     """out[b, t, c] = sum_j w[W-1-j, c] x[b, t-j, c] over t-j >= 0 in t's document."""
     b, it, ic = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t = it * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -31,13 +40,28 @@ def conv_fwd(x_ptr, w_ptr, doc_ptr, out_ptr, T: tl.constexpr, C: tl.constexpr, W
         xs = tl.load(x_ptr + (b * T + s)[:, None] * C + c[None, :], mask=ok[:, None] & cm[None, :], other=0.0)
         wj = tl.load(w_ptr + (W - 1 - j) * C + c, mask=cm, other=0.0)
         acc += xs.to(tl.float32) * wj.to(tl.float32)[None, :]
-    tl.store(out_ptr + (b * T + t)[:, None] * C + c[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=tm[:, None] & cm[None, :])
+    tl.store(
+        out_ptr + (b * T + t)[:, None] * C + c[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=tm[:, None] & cm[None, :],
+    )
 
 
 @triton.jit
-def conv_bwd(x_ptr, w_ptr, doc_ptr, dout_ptr, dx_ptr, dw_part_ptr, T: tl.constexpr, C: tl.constexpr,
-             NT: tl.constexpr, W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+def conv_bwd(
+    x_ptr,
+    w_ptr,
+    doc_ptr,
+    dout_ptr,
+    dx_ptr,
+    dw_part_ptr,
+    T: tl.constexpr,
+    C: tl.constexpr,
+    NT: tl.constexpr,
+    W: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     """dx[b, s, c] = sum_j w[W-1-j, c] dout[b, s+j, c] over s+j < T in s's document; per-program
     partial dw[W-1-j, c] = sum_t dout[b, t, c] x[b, t-j, c] into dw_part[b, it, :, :] (summed by the caller)."""
     b, it, ic = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -63,5 +87,6 @@ def conv_bwd(x_ptr, w_ptr, doc_ptr, dout_ptr, dx_ptr, dw_part_ptr, T: tl.constex
         xs = tl.load(x_ptr + (b * T + s)[:, None] * C + c[None, :], mask=ok2[:, None] & cm[None, :], other=0.0)
         part = tl.sum(dout * xs.to(tl.float32), axis=0)
         tl.store(dw_part_ptr + ((b * NT + it) * W + (W - 1 - j)) * C + c, part, mask=cm)
-    tl.store(dx_ptr + (b * T + t)[:, None] * C + c[None, :], dx.to(dx_ptr.dtype.element_ty),
-             mask=tm[:, None] & cm[None, :])
+    tl.store(
+        dx_ptr + (b * T + t)[:, None] * C + c[None, :], dx.to(dx_ptr.dtype.element_ty), mask=tm[:, None] & cm[None, :]
+    )

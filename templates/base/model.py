@@ -53,20 +53,30 @@ class ModelConfig:
             check(getattr(self, name) > 0, f"model.{name}", f"must be positive, got {getattr(self, name)}")
         check(self.head_dim % 2 == 0, "model.head_dim", f"RoPE needs an even head_dim, got {self.head_dim}")
         for name in ("param_dtype", "compute_dtype"):
-            check(getattr(self, name) in ("float32", "bfloat16"), f"model.{name}",
-                  f"must be float32 or bfloat16, got {getattr(self, name)!r}")
+            check(
+                getattr(self, name) in ("float32", "bfloat16"),
+                f"model.{name}",
+                f"must be float32 or bfloat16, got {getattr(self, name)!r}",
+            )
         check(self.init_std > 0, "model.init_std", f"must be positive, got {self.init_std}")
         check(self.rope_theta > 0, "model.rope_theta", f"must be positive, got {self.rope_theta}")
         check(0 < self.norm_eps < 1, "model.norm_eps", f"must be in (0, 1), got {self.norm_eps}")
         # an unknown backend, or one that cannot compute this model's attention, is refused here, before
         # tracing (whether it is available on this machine is checked when the layer is traced)
-        call = kernels.AttentionCall((1, 2, self.n_heads, self.head_dim), (1, 2, self.n_heads, self.head_dim),
-                                     jnp.dtype(self.compute_dtype), True, None, False)
+        call = kernels.AttentionCall(
+            (1, 2, self.n_heads, self.head_dim),
+            (1, 2, self.n_heads, self.head_dim),
+            jnp.dtype(self.compute_dtype),
+            True,
+            None,
+            False,
+        )
         why = kernels.refusal("attention", self.attention_backend, call)
         check(why is None, "model.attention_backend", f"{self.attention_backend!r}: {why}")
 
 
 # ---------------------------------------------------------------- parameters
+
 
 def weights(cfg: ModelConfig) -> dict:
     """Every weight, declared once: shape, PartitionSpec, role, init, and for matrices the fan-in and
@@ -138,6 +148,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 # ---------------------------------------------------------------- the network
 
+
 def rms_norm(x, w, eps):
     """RMSNorm over the last axis, fp32 statistics (shared/kernels/rms_norm.py: XLA, or QuACK on GPU)."""
     return kernels.rms_norm(x, w, eps=eps)
@@ -192,15 +203,24 @@ def block(x, layer, angles, segment_ids, cfg: ModelConfig, cache=None):
 
     with jax.named_scope("attention"):
         h = rms_norm(x, layer["attn_norm"], cfg.norm_eps)
-        q = jnp.einsum("btd,dq->btq", h, gather(layer["wq"], col, dt)).reshape(B, T, cfg.n_heads, cfg.head_dim, out_sharding=heads)
-        k = jnp.einsum("btd,dk->btk", h, gather(layer["wk"], col, dt)).reshape(B, T, cfg.n_heads, cfg.head_dim, out_sharding=heads)
-        v = jnp.einsum("btd,dk->btk", h, gather(layer["wv"], col, dt)).reshape(B, T, cfg.n_heads, cfg.head_dim, out_sharding=heads)
+        q = jnp.einsum("btd,dq->btq", h, gather(layer["wq"], col, dt)).reshape(
+            B, T, cfg.n_heads, cfg.head_dim, out_sharding=heads
+        )
+        k = jnp.einsum("btd,dk->btk", h, gather(layer["wk"], col, dt)).reshape(
+            B, T, cfg.n_heads, cfg.head_dim, out_sharding=heads
+        )
+        v = jnp.einsum("btd,dk->btk", h, gather(layer["wv"], col, dt)).reshape(
+            B, T, cfg.n_heads, cfg.head_dim, out_sharding=heads
+        )
         q, k = rope(q, angles), rope(k, angles)
         if cache is None:
             o = context.attention(q, k, v, segment_ids=segment_ids, causal=True, backend=cfg.attention_backend)
             kv = {"k": k, "v": v}
         else:
-            kv = {n: jax.lax.dynamic_update_slice_in_dim(cache[n], new, cache["slot"], axis=1) for n, new in (("k", k), ("v", v))}
+            kv = {
+                n: jax.lax.dynamic_update_slice_in_dim(cache[n], new, cache["slot"], axis=1)
+                for n, new in (("k", k), ("v", v))
+            }
             o = attend_cache(q, kv["k"], kv["v"], cache["visible"])
         o = o.reshape(B, T, cfg.n_heads * cfg.head_dim, out_sharding=acts("model"))
         x = x + jnp.einsum("btq,qd->btd", o, gather(layer["wo"], row, dt), out_sharding=acts(None))
@@ -209,8 +229,9 @@ def block(x, layer, angles, segment_ids, cfg: ModelConfig, cache=None):
         h = rms_norm(x, layer["mlp_norm"], cfg.norm_eps)
         gate = jnp.einsum("btd,df->btf", h, gather(layer["w_gate"], col, dt))
         up = jnp.einsum("btd,df->btf", h, gather(layer["w_up"], col, dt))
-        x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, gather(layer["w_down"], row, dt),
-                           out_sharding=acts(None))
+        x = x + jnp.einsum(
+            "btf,fd->btd", jax.nn.silu(gate) * up, gather(layer["w_down"], row, dt), out_sharding=acts(None)
+        )
     return x, kv
 
 
@@ -256,6 +277,7 @@ def loss_fn(params, batch, cfg: ModelConfig):
 
 # ---------------------------------------------------------------- decoding with a cache
 
+
 def cache_specs(cfg: ModelConfig) -> dict:
     """PartitionSpec of every leaf of `init_cache`: rows over `data`, heads over `model`, as in training."""
     kv = P(None, "data", None, "model", None)
@@ -271,8 +293,12 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:
     Memory grows linearly with max_len."""
     specs, dt = cache_specs(cfg), jnp.dtype(cfg.compute_dtype)
     shape = (cfg.n_layers, batch, max_len, cfg.n_heads, cfg.head_dim)
-    return {"k": jnp.zeros(shape, dt, out_sharding=specs["k"]), "v": jnp.zeros(shape, dt, out_sharding=specs["v"]),
-            "pos": jnp.zeros((batch,), jnp.int32, out_sharding=specs["pos"]), "slot": jnp.zeros((), jnp.int32)}
+    return {
+        "k": jnp.zeros(shape, dt, out_sharding=specs["k"]),
+        "v": jnp.zeros(shape, dt, out_sharding=specs["v"]),
+        "pos": jnp.zeros((batch,), jnp.int32, out_sharding=specs["pos"]),
+        "slot": jnp.zeros((), jnp.int32),
+    }
 
 
 def prefill(params, tokens, cache, cfg: ModelConfig, *, lengths=None):
@@ -311,7 +337,9 @@ def decode_step(params, token, cache, cfg: ModelConfig):
     x = reshard(params["embed"], P(None, None)).at[token[:, None]].get(out_sharding=acts(None)).astype(dt)
     angles = rope_angles(cache["pos"][:, None], cfg.head_dim, cfg.rope_theta)
     slots, slot = jnp.arange(cache["k"].shape[2]), cache["slot"]
-    visible = (slots[None, :] >= (slot - cache["pos"])[:, None]) & (slots[None, :] <= slot)  # the row's tokens, and this one
+    visible = (slots[None, :] >= (slot - cache["pos"])[:, None]) & (
+        slots[None, :] <= slot
+    )  # the row's tokens, and this one
 
     def step(x, layer_and_kv):
         layer, kv = layer_and_kv

@@ -72,20 +72,35 @@ class TrainConfig(run.RunConfig, evals.EvalConfig):
         evals.EvalConfig.__post_init__(self)  # the probes' and lm-eval's (shared/evals/__init__.py)
         self.probes.check_fits(self.seq_len)  # every probe fits in a row
         check_fields(self, TRAIN_FIELDS)  # types, and each field's own range or choices (shared/config.py)
-        check(self.batch_size % self.grad_accum == 0, "grad_accum",
-              f"{self.grad_accum} must divide batch_size={self.batch_size}")
-        check(self.warmup_steps == -1 or 0 <= self.warmup_steps < self.steps, "warmup_steps",
-              f"{self.warmup_steps} must be -1 (= min(20, steps // 10)) or in [0, steps={self.steps})")
+        check(
+            self.batch_size % self.grad_accum == 0,
+            "grad_accum",
+            f"{self.grad_accum} must divide batch_size={self.batch_size}",
+        )
+        check(
+            self.warmup_steps == -1 or 0 <= self.warmup_steps < self.steps,
+            "warmup_steps",
+            f"{self.warmup_steps} must be -1 (= min(20, steps // 10)) or in [0, steps={self.steps})",
+        )
         check(self.stop_at <= self.steps, "stop_at", f"{self.stop_at} must be in [0, steps={self.steps}]")
         optim.make_schedule(self.optim, self.lr, self.steps, warmup(self), self.min_lr_ratio)  # WSD decay vs warmup
-        check(self.sample_prompt != "" or self.sample_tokens == 0, "sample_prompt",
-              "is empty: sampling continues a prompt (or set sample_tokens 0)")
-        check(self.profile_steps == "" or run.profile_range(self) is not None, "profile_steps",
-              f"must be A:B with 0 < A <= B <= steps={self.steps}, got {self.profile_steps!r}")
+        check(
+            self.sample_prompt != "" or self.sample_tokens == 0,
+            "sample_prompt",
+            "is empty: sampling continues a prompt (or set sample_tokens 0)",
+        )
+        check(
+            self.profile_steps == "" or run.profile_range(self) is not None,
+            "profile_steps",
+            f"must be A:B with 0 < A <= B <= steps={self.steps}, got {self.profile_steps!r}",
+        )
         why = model.context_refusal(self.model, self.seq_len, self.mesh_context)  # the rows' split (model.py)
         check(why is None or bool(self.init_from), "mesh_context", why)  # init_from: DIR's model, in hf.init_config
-        check(not self.init_from or os.path.isfile(os.path.join(HERE, "hf.py")), "init_from",
-              f"{os.path.basename(HERE)} has no hf.py: no Hugging Face class maps to it (see the README's table)")
+        check(
+            not self.init_from or os.path.isfile(os.path.join(HERE, "hf.py")),
+            "init_from",
+            f"{os.path.basename(HERE)} has no hf.py: no Hugging Face class maps to it (see the README's table)",
+        )
 
 
 # What the contract test (tests/test_contract.py) runs on 8 CPU devices: the CPU default at 32
@@ -101,19 +116,29 @@ FAST_TIER: tuple = ("loop", "context")
 
 # ---------------------------------------------------------------- mesh, optimizer, steps
 
+
 def make_mesh(cfg: TrainConfig, devices=None):
     """The (data, context, model) mesh. `devices`: the devices to use (default: all of them), or a number
     of devices, for an AbstractMesh that traces a preset at its real scale on a machine without them."""
     devices = jax.devices() if devices is None else devices
     n, cp, tp = (devices if isinstance(devices, int) else len(devices)), cfg.mesh_context, cfg.mesh_model
-    check(cfg.mesh_data != -1 or n % (cp * tp) == 0, "mesh_context" if cp > 1 else "mesh_model",
-          f"mesh_context {cp} x mesh_model {tp} = {cp * tp} devices does not divide the {n} devices")
+    check(
+        cfg.mesh_data != -1 or n % (cp * tp) == 0,
+        "mesh_context" if cp > 1 else "mesh_model",
+        f"mesh_context {cp} x mesh_model {tp} = {cp * tp} devices does not divide the {n} devices",
+    )
     dp = n // (cp * tp) if cfg.mesh_data == -1 else cfg.mesh_data
-    check(dp * cp * tp == n, "mesh_data",
-          f"mesh {dp} (data) x {cp} (context) x {tp} (model) does not use exactly the {n} devices")
+    check(
+        dp * cp * tp == n,
+        "mesh_data",
+        f"mesh {dp} (data) x {cp} (context) x {tp} (model) does not use exactly the {n} devices",
+    )
     micro = cfg.batch_size // cfg.grad_accum
-    check(micro % dp == 0, "batch_size",
-          f"micro-batch batch_size/grad_accum={micro} is not divisible by the data axis ({dp} devices)")
+    check(
+        micro % dp == 0,
+        "batch_size",
+        f"micro-batch batch_size/grad_accum={micro} is not divisible by the data axis ({dp} devices)",
+    )
     m = cfg.model
     for name, size in model.sharded_dims(m):  # what the `model` axis splits (model.py)
         check(size % tp == 0, f"model.{name}", f"{size} is not divisible by mesh_model={tp}")
@@ -132,9 +157,19 @@ def warmup(cfg: TrainConfig) -> int:
 
 def make_optimizer(cfg: TrainConfig):
     """(optimizer, schedule): `cfg.optimizer` over the roles of model.weights (shared/optim.py)."""
-    return optim.make(model.weights(cfg.model), cfg.optimizer, cfg.optim, lr=cfg.lr, steps=cfg.steps,
-                      warmup=warmup(cfg), min_lr_ratio=cfg.min_lr_ratio, weight_decay=cfg.weight_decay,
-                      b1=cfg.beta1, b2=cfg.beta2, grad_clip=cfg.grad_clip)
+    return optim.make(
+        model.weights(cfg.model),
+        cfg.optimizer,
+        cfg.optim,
+        lr=cfg.lr,
+        steps=cfg.steps,
+        warmup=warmup(cfg),
+        min_lr_ratio=cfg.min_lr_ratio,
+        weight_decay=cfg.weight_decay,
+        b1=cfg.beta1,
+        b2=cfg.beta2,
+        grad_clip=cfg.grad_clip,
+    )
 
 
 def init_state(cfg: TrainConfig, optimizer, key):
@@ -208,8 +243,12 @@ def to_device(batch: dict, mesh, leading: tuple = ()):
 
 # The metrics shown in each log line and on the progress bar, with their format; every metric is in
 # metrics.jsonl and wandb whether shown or not.
-SHOWN = {"train/loss": ("loss", ".4f"), "eval/loss": ("val", ".4f"),
-         "throughput/tokens_per_second": ("tok/s", ",.0f"), "throughput/mfu": ("MFU", ".1%")}
+SHOWN = {
+    "train/loss": ("loss", ".4f"),
+    "eval/loss": ("val", ".4f"),
+    "throughput/tokens_per_second": ("tok/s", ",.0f"),
+    "throughput/mfu": ("MFU", ".1%"),
+}
 
 
 def sample(params, cfg: TrainConfig, corpus, mesh, n_tokens: int, key) -> str:
@@ -219,13 +258,23 @@ def sample(params, cfg: TrainConfig, corpus, mesh, n_tokens: int, key) -> str:
     end-of-text token."""
     prompt = corpus.encode(cfg.sample_prompt)[: cfg.seq_len - 1] or [corpus.eos_id]
     rows = decode.rows_multiple(model, cfg.model, mesh)
-    done = decode.generate(model, params, cfg.model, [prompt] * rows, mesh=mesh, max_new_tokens=n_tokens,
-                           max_len=cfg.seq_len, sampling=decode.Sampling(temperature=0.8), key=key,
-                           eos_id=corpus.eos_id)
+    done = decode.generate(
+        model,
+        params,
+        cfg.model,
+        [prompt] * rows,
+        mesh=mesh,
+        max_new_tokens=n_tokens,
+        max_len=cfg.seq_len,
+        sampling=decode.Sampling(temperature=0.8),
+        key=key,
+        eos_id=corpus.eos_id,
+    )
     return corpus.decode(prompt + done[0].tokens)
 
 
 # ---------------------------------------------------------------- the loop
+
 
 def main(cfg: TrainConfig) -> dict:
     if cfg.init_from:  # hf:DIR: the architecture and the tokenizer of a Hugging Face model (hf.py in this folder)
@@ -233,7 +282,10 @@ def main(cfg: TrainConfig) -> dict:
     mesh = make_mesh(cfg)  # validates mesh/batch/width divisibility before anything is compiled
     optimizer, schedule = make_optimizer(cfg)
     evaluator = evals.Evaluator(cfg, model, mesh)  # probes and lm-eval tasks on the eval cadence, if asked for
-    with run.Run(cfg, HERE, mesh, evaluator) as r, jax.set_mesh(mesh):  # run dir, lock, resume checks, data (shared/run.py)
+    with (
+        run.Run(cfg, HERE, mesh, evaluator) as r,
+        jax.set_mesh(mesh),
+    ):  # run dir, lock, resume checks, data (shared/run.py)
         key = jax.random.key(cfg.seed)
         if r.checkpoint:  # resuming: the checkpoint's state, and the data where it was
             state = r.restore(jax.eval_shape(lambda k: init_state(cfg, optimizer, k), key))
@@ -243,7 +295,9 @@ def main(cfg: TrainConfig) -> dict:
         else:
             state = jax.jit(lambda k: init_state(cfg, optimizer, k))(key)
         train_step, eval_step = make_train_step(cfg, optimizer, schedule), make_eval_step(cfg)
-        r.begin(model.num_params(cfg.model), model.flops_per_token(cfg.model, cfg.seq_len), schedule)  # logger, saver, ...
+        r.begin(
+            model.num_params(cfg.model), model.flops_per_token(cfg.model, cfg.seq_len), schedule
+        )  # logger, saver, ...
 
         for step in r.steps():
             batch = to_device(r.loader.next(), mesh, (cfg.grad_accum,))
@@ -261,8 +315,12 @@ def main(cfg: TrainConfig) -> dict:
             if due.save:
                 r.save(step, state)  # asynchronous: the loop waits for the host copy only
             if due.sample:  # every process takes part, one prints
-                r.show_sample(step, lambda: sample(state["params"], cfg, r.corpus, mesh, cfg.sample_tokens,
-                                                   jax.random.key(cfg.seed + 1)))
+                r.show_sample(
+                    step,
+                    lambda: sample(
+                        state["params"], cfg, r.corpus, mesh, cfg.sample_tokens, jax.random.key(cfg.seed + 1)
+                    ),
+                )
             if due.stop:
                 r.preempted(step)  # a stop signal: waits for the save, raises run.Preempted (exit 75)
         return r.finish(state)

@@ -57,8 +57,10 @@ def main():
     ap.add_argument("--repeats", type=int, default=2)
     a = ap.parse_args()
     B, H, D = a.batch, a.heads, a.head_dim
-    print(f"fwd+bwd, fp32, B={B} H={H} head_dim={D}, KDA chunk={a.chunk}, "
-          f"{jax.devices()[0].platform} x{jax.local_device_count()}")
+    print(
+        f"fwd+bwd, fp32, B={B} H={H} head_dim={D}, KDA chunk={a.chunk}, "
+        f"{jax.devices()[0].platform} x{jax.local_device_count()}"
+    )
     print(f"{'T':>6} | {'kda ms':>9} {'kda MiB':>8} | {'attn ms':>9} {'attn MiB':>9} | {'kda ms/T vs first':>17}")
     key = jax.random.key(0)
     first = None
@@ -75,8 +77,11 @@ def main():
         ta, ma = measure(attention_fwd_bwd(), args, a.repeats)
         per = tk / T
         first = first or per
-        print(f"{T:>6} | {tk * 1e3:>9.1f} {mk / 2**20:>8.1f} | {ta * 1e3:>9.1f} {ma / 2**20:>9.1f} | "
-              f"{per / first:>17.2f}", flush=True)
+        print(
+            f"{T:>6} | {tk * 1e3:>9.1f} {mk / 2**20:>8.1f} | {ta * 1e3:>9.1f} {ma / 2**20:>9.1f} | "
+            f"{per / first:>17.2f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

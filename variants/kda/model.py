@@ -84,34 +84,56 @@ class ModelConfig:
         check_types(self, "model.")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"):
             check(getattr(self, name) > 0, f"model.{name}", f"must be positive, got {getattr(self, name)}")
-        check(self.n_heads % self.n_kv_heads == 0, "model.n_heads",
-              f"{self.n_heads} is not a multiple of model.n_kv_heads={self.n_kv_heads}")
+        check(
+            self.n_heads % self.n_kv_heads == 0,
+            "model.n_heads",
+            f"{self.n_heads} is not a multiple of model.n_kv_heads={self.n_kv_heads}",
+        )
         check(self.head_dim % 2 == 0, "model.head_dim", f"RoPE needs an even head_dim, got {self.head_dim}")
         for name in ("param_dtype", "compute_dtype"):
-            check(getattr(self, name) in ("float32", "bfloat16"), f"model.{name}",
-                  f"must be float32 or bfloat16, got {getattr(self, name)!r}")
+            check(
+                getattr(self, name) in ("float32", "bfloat16"),
+                f"model.{name}",
+                f"must be float32 or bfloat16, got {getattr(self, name)!r}",
+            )
         check(self.remat in ("none", "dots", "full"), "model.remat", f"must be none, dots or full, got {self.remat!r}")
         check(self.z_loss >= 0, "model.z_loss", f"must be >= 0, got {self.z_loss}")
         check(self.init_std > 0, "model.init_std", f"must be positive, got {self.init_std}")
         check(self.rope_theta > 0, "model.rope_theta", f"must be positive, got {self.rope_theta}")
-        check(self.global_every >= 2, "model.global_every",
-              f"must be >= 2 (1 makes every layer softmax attention: that is variants/dense), got {self.global_every}")
-        check(self.n_layers >= 2, "model.n_layers", f"must be >= 2 (the last layer is attention, and one at least "
-              f"must be KDA), got {self.n_layers}")
+        check(
+            self.global_every >= 2,
+            "model.global_every",
+            f"must be >= 2 (1 makes every layer softmax attention: that is variants/dense), got {self.global_every}",
+        )
+        check(
+            self.n_layers >= 2,
+            "model.n_layers",
+            f"must be >= 2 (the last layer is attention, and one at least must be KDA), got {self.n_layers}",
+        )
         for name in ("conv_size", "gate_rank"):
             check(getattr(self, name) > 0, f"model.{name}", f"must be positive, got {getattr(self, name)}")
-        check(self.chunk_size > 0 and self.chunk_size & (self.chunk_size - 1) == 0, "model.chunk_size",
-              f"must be a power of two, got {self.chunk_size}")
+        check(
+            self.chunk_size > 0 and self.chunk_size & (self.chunk_size - 1) == 0,
+            "model.chunk_size",
+            f"must be a power of two, got {self.chunk_size}",
+        )
         check(self.kda_impl in ("xla", "pallas"), "model.kda_impl", f"must be xla or pallas, got {self.kda_impl!r}")
         if self.kda_impl == "pallas":
             from shared.kernels.kda import pallas_refuses
+
             why = pallas_refuses(self.head_dim, self.chunk_size)
             check(why is None, "model.kda_impl", f"the Pallas kernel cannot run this shape: {why}")
         check(0 < self.norm_eps < 1, "model.norm_eps", f"must be in (0, 1), got {self.norm_eps}")
         # an unknown backend, or one that cannot compute this model's attention layers, is refused here, before
         # tracing (whether it is available on this machine is checked when the layer is traced)
-        call = kernels.AttentionCall((1, 2, self.n_heads, self.head_dim), (1, 2, self.n_kv_heads, self.head_dim),
-                                     jnp.dtype(self.compute_dtype), True, None, False)
+        call = kernels.AttentionCall(
+            (1, 2, self.n_heads, self.head_dim),
+            (1, 2, self.n_kv_heads, self.head_dim),
+            jnp.dtype(self.compute_dtype),
+            True,
+            None,
+            False,
+        )
         why = kernels.refusal("attention", self.attention_backend, call)
         check(why is None, "model.attention_backend", f"{self.attention_backend!r}: {why}")
 
@@ -129,6 +151,7 @@ def layer_counts(cfg: ModelConfig) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------- parameters
+
 
 def a_log_init(key, shape, dtype, spec):
     """A = exp(A_log) ~ U(1, 16) per head (Kimi Linear / fla)."""
@@ -161,32 +184,47 @@ def weights(cfg: ModelConfig) -> dict:
     col, row, rep = P(None, "data", "model"), P(None, "model", "data"), P(None, None)
     heads, down, up = P(None, "model"), P(None, "data", None), P(None, None, "model")  # low rank: rank unsharded
     std, out_std = normal(cfg.init_std), normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
-    taps = uniform(-cfg.conv_size**-0.5, cfg.conv_size**-0.5)
+    taps = uniform(-(cfg.conv_size**-0.5), cfg.conv_size**-0.5)
 
     def mat(shape, spec, init=std):
         return Weight(shape, spec, "matrix", init, fan_in=1, fan_out=2)
 
     def mlp(L):
-        return {"mlp_norm": Weight((L, D), rep, "norm", ones), "w_gate": mat((L, D, F), col),
-                "w_up": mat((L, D, F), col), "w_down": mat((L, F, D), row, out_std)}
+        return {
+            "mlp_norm": Weight((L, D), rep, "norm", ones),
+            "w_gate": mat((L, D, F), col),
+            "w_up": mat((L, D, F), col),
+            "w_down": mat((L, F, D), row, out_std),
+        }
 
     decl = {
         "embed": Weight((V, D), P("model", "data"), "embedding", std, fan_in=0, fan_out=1),
         "kda": {
             "attn_norm": Weight((Lk, D), rep, "norm", ones),
-            "wq": mat((Lk, D, q), col), "wk": mat((Lk, D, q), col), "wv": mat((Lk, D, q), col),
-            "conv_q": Weight((Lk, W, q), up, "conv", taps), "conv_k": Weight((Lk, W, q), up, "conv", taps),
+            "wq": mat((Lk, D, q), col),
+            "wk": mat((Lk, D, q), col),
+            "wv": mat((Lk, D, q), col),
+            "conv_q": Weight((Lk, W, q), up, "conv", taps),
+            "conv_k": Weight((Lk, W, q), up, "conv", taps),
             "conv_v": Weight((Lk, W, q), up, "conv", taps),
-            "forget_down": mat((Lk, D, R), down), "forget_up": mat((Lk, R, q), up),
-            "A_log": Weight((Lk, H), heads, "rate", a_log_init), "dt_bias": Weight((Lk, q), heads, "bias", dt_bias_init),
-            "w_beta": mat((Lk, D, H), col), "ogate_down": mat((Lk, D, R), down), "ogate_up": mat((Lk, R, q), up),
+            "forget_down": mat((Lk, D, R), down),
+            "forget_up": mat((Lk, R, q), up),
+            "A_log": Weight((Lk, H), heads, "rate", a_log_init),
+            "dt_bias": Weight((Lk, q), heads, "bias", dt_bias_init),
+            "w_beta": mat((Lk, D, H), col),
+            "ogate_down": mat((Lk, D, R), down),
+            "ogate_up": mat((Lk, R, q), up),
             "o_norm": Weight((Lk, cfg.head_dim), rep, "norm", ones),
-            "wo": mat((Lk, q, D), row, out_std), **mlp(Lk),
+            "wo": mat((Lk, q, D), row, out_std),
+            **mlp(Lk),
         },
         "attn": {
             "attn_norm": Weight((La, D), rep, "norm", ones),
-            "wq": mat((La, D, q), col), "wk": mat((La, D, kv), col), "wv": mat((La, D, kv), col),
-            "wo": mat((La, q, D), row, out_std), **mlp(La),
+            "wq": mat((La, D, q), col),
+            "wk": mat((La, D, kv), col),
+            "wv": mat((La, D, kv), col),
+            "wo": mat((La, q, D), row, out_std),
+            **mlp(La),
         },
         "final_norm": Weight((D,), P(None), "norm", ones),
     }
@@ -247,6 +285,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 
 # ---------------------------------------------------------------- the network
+
 
 def rms_norm(x, w, eps):
     """RMSNorm over the last axis, fp32 statistics (shared/kernels/rms_norm.py: XLA, or QuACK on GPU)."""
@@ -320,8 +359,9 @@ def mlp(x, layer, cfg: ModelConfig):
         h = rms_norm(x, layer["mlp_norm"], cfg.norm_eps)
         gate = jnp.einsum("btd,df->btf", h, gather(layer["w_gate"], col, dt))
         up = jnp.einsum("btd,df->btf", h, gather(layer["w_up"], col, dt))
-        return x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, gather(layer["w_down"], row, dt),
-                              out_sharding=acts(None))
+        return x + jnp.einsum(
+            "btf,fd->btd", jax.nn.silu(gate) * up, gather(layer["w_down"], row, dt), out_sharding=acts(None)
+        )
 
 
 def kda_block(x, layer, docs, segment_ids, cfg: ModelConfig, cache=None):
@@ -347,7 +387,7 @@ def kda_block(x, layer, docs, segment_ids, cfg: ModelConfig, cache=None):
             if cache is None:
                 n = cfg.conv_size - 1  # the inputs a next token's convolution reads: the last document's
                 if context.axis() is None:  # (prefill; under context parallelism only training runs)
-                    tail = jnp.where((docs == docs[:, -1:])[..., None], y, 0)[:, max(T - n, 0):]
+                    tail = jnp.where((docs == docs[:, -1:])[..., None], y, 0)[:, max(T - n, 0) :]
                     new["conv_" + name] = jnp.pad(tail, ((0, 0), (n - tail.shape[1], 0), (0, 0)))
                 y = short_conv(y, w, docs)
             else:
@@ -368,8 +408,9 @@ def kda_block(x, layer, docs, segment_ids, cfg: ModelConfig, cache=None):
         g = -A * jax.nn.softplus(low_rank("forget_down", "forget_up") + dt_bias)  # log decay per key channel, <= 0
         beta = jax.nn.sigmoid(jnp.einsum("btd,dh->bth", h, gather(layer["w_beta"], col, dt)).astype(f32))
         if cache is None:
-            o, new["state"] = context.kda(q, k, v, g, beta, segment_ids=segment_ids, chunk_size=cfg.chunk_size,
-                                          impl=cfg.kda_impl)
+            o, new["state"] = context.kda(
+                q, k, v, g, beta, segment_ids=segment_ids, chunk_size=cfg.chunk_size, impl=cfg.kda_impl
+            )
         else:
             o, new["state"] = kda_recurrent(q, k, v, g, beta, initial_state=cache["state"])
         o = rms_norm(o, layer["o_norm"], cfg.norm_eps) * jax.nn.sigmoid(low_rank("ogate_down", "ogate_up")).astype(dt)
@@ -389,15 +430,24 @@ def block(x, layer, angles, segment_ids, cfg: ModelConfig, cache=None):
 
     with jax.named_scope("attention"):
         h = rms_norm(x, layer["attn_norm"], cfg.norm_eps)
-        q = jnp.einsum("btd,dq->btq", h, gather(layer["wq"], col, dt)).reshape(B, T, cfg.n_heads, cfg.head_dim, out_sharding=heads)
-        k = jnp.einsum("btd,dk->btk", h, gather(layer["wk"], col, dt)).reshape(B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads)
-        v = jnp.einsum("btd,dk->btk", h, gather(layer["wv"], col, dt)).reshape(B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads)
+        q = jnp.einsum("btd,dq->btq", h, gather(layer["wq"], col, dt)).reshape(
+            B, T, cfg.n_heads, cfg.head_dim, out_sharding=heads
+        )
+        k = jnp.einsum("btd,dk->btk", h, gather(layer["wk"], col, dt)).reshape(
+            B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads
+        )
+        v = jnp.einsum("btd,dk->btk", h, gather(layer["wv"], col, dt)).reshape(
+            B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads
+        )
         q, k = rope(q, angles), rope(k, angles)
         if cache is None:
             o = context.attention(q, k, v, segment_ids=segment_ids, causal=True, backend=cfg.attention_backend)
             kv = {"k": k, "v": v}
         else:
-            kv = {n: jax.lax.dynamic_update_slice_in_dim(cache[n], new, cache["slot"], axis=1) for n, new in (("k", k), ("v", v))}
+            kv = {
+                n: jax.lax.dynamic_update_slice_in_dim(cache[n], new, cache["slot"], axis=1)
+                for n, new in (("k", k), ("v", v))
+            }
             o = attend_cache(q, kv["k"], kv["v"], cache["visible"])
         o = o.reshape(B, T, cfg.n_heads * cfg.head_dim, out_sharding=acts("model"))
         x = x + jnp.einsum("btq,qd->btd", o, gather(layer["wo"], row, dt), out_sharding=acts(None))
@@ -426,7 +476,9 @@ def hidden_states(params, tokens, cfg: ModelConfig, *, segment_ids=None, cache=N
             return x, (state if cache is not None else None)
 
     def attn_step(x, layer):
-        with jax.named_scope("attention_layer"):  # profiles read attention_layer/attention, kda_layer/kda, ... (tools/profile_top.py)
+        with jax.named_scope(
+            "attention_layer"
+        ):  # profiles read attention_layer/attention, kda_layer/kda, ... (tools/profile_top.py)
             x, kv = block(x, layer, angles, segment_ids, cfg)
             return x, (kv if cache is not None else None)
 
@@ -449,7 +501,9 @@ def hidden_states(params, tokens, cfg: ModelConfig, *, segment_ids=None, cache=N
         x, (states, kv) = jax.lax.scan(super_block, x, (kda_full, take(params["attn"], 0, full)))
         parts.append((jax.tree.map(merge_layers, states), kv))
     if tail:
-        x, (states, kv) = super_block(x, (take(params["kda"], full * (N - 1), None), jax.tree.map(lambda w: w[full], params["attn"])))
+        x, (states, kv) = super_block(
+            x, (take(params["kda"], full * (N - 1), None), jax.tree.map(lambda w: w[full], params["attn"]))
+        )
         parts.append((states, jax.tree.map(lambda a: a[None], kv)))
     h = rms_norm(x, params["final_norm"], cfg.norm_eps)
     if cache is None:
@@ -499,11 +553,16 @@ def loss_fn(params, batch, cfg: ModelConfig):
 
 # ---------------------------------------------------------------- decoding with a cache
 
+
 def cache_specs(cfg: ModelConfig) -> dict:
     """PartitionSpec of every leaf of `init_cache`: rows over `data`, heads (and their channels) over `model`."""
     kv, conv = P(None, "data", None, "model", None), P(None, "data", None, "model")
-    return {"kda": {"state": P(None, "data", "model", None, None), "conv_q": conv, "conv_k": conv, "conv_v": conv},
-            "attn": {"k": kv, "v": kv}, "pos": P("data"), "slot": P()}
+    return {
+        "kda": {"state": P(None, "data", "model", None, None), "conv_q": conv, "conv_k": conv, "conv_v": conv},
+        "attn": {"k": kv, "v": kv},
+        "pos": P("data"),
+        "slot": P(),
+    }
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:
@@ -520,18 +579,25 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:
     H, K = cfg.n_heads, cfg.head_dim
     conv = lambda n: jnp.zeros((Lk, batch, cfg.conv_size - 1, H * K), dt, out_sharding=specs["kda"][n])  # noqa: E731
     kv = lambda n: jnp.zeros((La, batch, max_len, cfg.n_kv_heads, K), dt, out_sharding=specs["attn"][n])  # noqa: E731
-    return {"kda": {"state": jnp.zeros((Lk, batch, H, K, K), jnp.float32, out_sharding=specs["kda"]["state"]),
-                    **{n: conv(n) for n in ("conv_q", "conv_k", "conv_v")}},
-            "attn": {n: kv(n) for n in ("k", "v")},
-            "pos": jnp.zeros((batch,), jnp.int32, out_sharding=specs["pos"]), "slot": jnp.zeros((), jnp.int32)}
+    return {
+        "kda": {
+            "state": jnp.zeros((Lk, batch, H, K, K), jnp.float32, out_sharding=specs["kda"]["state"]),
+            **{n: conv(n) for n in ("conv_q", "conv_k", "conv_v")},
+        },
+        "attn": {n: kv(n) for n in ("k", "v")},
+        "pos": jnp.zeros((batch,), jnp.int32, out_sharding=specs["pos"]),
+        "slot": jnp.zeros((), jnp.int32),
+    }
 
 
 def store_prompt(cache, parts) -> dict:
     """The layers' states after the prompt, parts = [(KDA layers' states, attention layers' kv)] in layer
     order, into an empty cache: KDA states and convolution inputs as they are, keys and values in slots [0, T)."""
     kda_states = {n: jnp.concatenate([p[0][n] for p in parts]) for n in cache["kda"]}
-    attn = {n: jax.lax.dynamic_update_slice_in_dim(cache["attn"][n], jnp.concatenate([p[1][n] for p in parts]), 0, axis=2)
-            for n in ("k", "v")}
+    attn = {
+        n: jax.lax.dynamic_update_slice_in_dim(cache["attn"][n], jnp.concatenate([p[1][n] for p in parts]), 0, axis=2)
+        for n in ("k", "v")
+    }
     return cache | {"kda": kda_states, "attn": attn}
 
 
@@ -578,7 +644,9 @@ def decode_step(params, token, cache, cfg: ModelConfig):
     x = reshard(params["embed"], P(None, None)).at[token[:, None]].get(out_sharding=acts(None)).astype(dt)
     angles = rope_angles(cache["pos"][:, None], cfg.head_dim, cfg.rope_theta)
     slots, slot = jnp.arange(cache["attn"]["k"].shape[2]), cache["slot"]
-    visible = (slots[None, :] >= (slot - cache["pos"])[:, None]) & (slots[None, :] <= slot)  # the row's tokens, and this one
+    visible = (slots[None, :] >= (slot - cache["pos"])[:, None]) & (
+        slots[None, :] <= slot
+    )  # the row's tokens, and this one
     new = {"kda": [], "attn": []}
     for is_attn in attention_layers(cfg):
         kind = "attn" if is_attn else "kda"

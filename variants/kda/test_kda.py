@@ -46,10 +46,16 @@ def close(a, b, tol, what):
 
 # ---------------------------------------------------------------- chunked == recurrent
 
+
 # two cases in the fast tier (a partial last chunk with a state; two chunks of 32 without); the rest integration
-@pytest.mark.parametrize("T,chunk,with_state", [(45, 16, True), (70, 32, False)] + [
-    pytest.param(T, c, s, marks=LONG) for T, c, s in ((64, 16, False), (64, 16, True), (45, 16, False), (70, 32, True),
-                                                       (5, 16, False), (5, 16, True))])
+@pytest.mark.parametrize(
+    "T,chunk,with_state",
+    [(45, 16, True), (70, 32, False)]
+    + [
+        pytest.param(T, c, s, marks=LONG)
+        for T, c, s in ((64, 16, False), (64, 16, True), (45, 16, False), (70, 32, True), (5, 16, False), (5, 16, True))
+    ],
+)
 def test_chunked_matches_recurrent(T, chunk, with_state):
     """Outputs, final state and the gradients of every input, at lengths that are and are not
     multiples of the chunk size, with and without an initial state."""
@@ -66,8 +72,11 @@ def test_chunked_matches_recurrent(T, chunk, with_state):
 
     args = (q, k, v, g, beta) + ((s0,) if with_state else ())
     argnums = tuple(range(len(args)))
-    chunked = jax.jit(jax.value_and_grad(lambda *a: loss(lambda *x, **kw: K.kda(*x, chunk_size=chunk, **kw), *a),
-                                         argnums, has_aux=True))
+    chunked = jax.jit(
+        jax.value_and_grad(
+            lambda *a: loss(lambda *x, **kw: K.kda(*x, chunk_size=chunk, **kw), *a), argnums, has_aux=True
+        )
+    )
     recurrent = jax.jit(jax.value_and_grad(lambda *a: loss(K.kda_recurrent, *a), argnums, has_aux=True))
     (_, (o1, s1)), g1 = chunked(*args)
     (_, (o2, s2)), g2 = recurrent(*args)
@@ -92,6 +101,7 @@ def test_output_dtype_and_default_scale():
 
 # ---------------------------------------------------------------- documents
 
+
 @pytest.mark.parametrize("impl", ["chunked", "recurrent"])
 def test_segment_resets_match_separate_documents(impl):
     """A packed row gives each document the output it gets alone from a zero state, whatever
@@ -107,14 +117,15 @@ def test_segment_resets_match_separate_documents(impl):
     o, s = jax.jit(lambda *a: fn(*a[:5], initial_state=a[5], segment_ids=a[6]))(q, k, v, g, beta, s0, seg)
     start = 0
     for i, n in enumerate(lengths):
-        part = lambda x: x[:, start:start + n]  # noqa: E731
+        part = lambda x: x[:, start : start + n]  # noqa: E731
         alone_o, alone_s = K.kda_recurrent(*map(part, (q, k, v, g, beta)), initial_state=s0 if i == 0 else None)
-        close(o[:, start:start + n], alone_o, 1e-5, f"document {i}")
+        close(o[:, start : start + n], alone_o, 1e-5, f"document {i}")
         start += n
     close(s, alone_s, 1e-5, "final state = the last document's")
 
 
 # ---------------------------------------------------------------- Gated DeltaNet
+
 
 def gated_delta_net(q, k, v, alpha, beta, scale):
     """Gated DeltaNet (a scalar gate per head and token) in float64 numpy, written from its rule:
@@ -127,7 +138,10 @@ def gated_delta_net(q, k, v, alpha, beta, scale):
             S = np.zeros((Dk, v.shape[-1]))
             for t in range(T):
                 kt = k[b, t, h][:, None]
-                S = alpha[b, t, h] * (np.eye(Dk) - beta[b, t, h] * kt @ kt.T) @ S + beta[b, t, h] * kt @ v[b, t, h][None]
+                S = (
+                    alpha[b, t, h] * (np.eye(Dk) - beta[b, t, h] * kt @ kt.T) @ S
+                    + beta[b, t, h] * kt @ v[b, t, h][None]
+                )
                 out[b, t, h] = scale * S.T @ q[b, t, h]
     return out
 
@@ -139,10 +153,13 @@ def test_equal_gate_across_channels_is_gated_delta_net():
     log_alpha = -np.exp(rng.standard_normal((B, T, H)) - 1.5)
     g = jnp.asarray(np.repeat(log_alpha[..., None], Dk, axis=-1), jnp.float32)
     o, _ = jax.jit(lambda *a: K.kda(*a, chunk_size=16))(q, k, v, g, beta)
-    close(o, gated_delta_net(q, k, v, np.exp(log_alpha), beta, Dk**-0.5), 1e-5, "KDA with a scalar gate vs Gated DeltaNet")
+    close(
+        o, gated_delta_net(q, k, v, np.exp(log_alpha), beta, Dk**-0.5), 1e-5, "KDA with a scalar gate vs Gated DeltaNet"
+    )
 
 
 # ---------------------------------------------------------------- the public building blocks
+
 
 @pytest.mark.parametrize("n", [1, 2, 16, 64])
 def test_unit_lower_inverse_is_the_inverse(n):
@@ -153,8 +170,10 @@ def test_unit_lower_inverse_is_the_inverse(n):
     np.testing.assert_allclose(inv @ M, np.broadcast_to(np.eye(n), M.shape), atol=2e-5)
     np.testing.assert_allclose(inv, np.linalg.inv(M), rtol=1e-4, atol=1e-5)
     upper = M + np.triu(rng.standard_normal(M.shape), 1)  # garbage above the diagonal
-    np.testing.assert_array_equal(np.asarray(K.unit_lower_inverse(jnp.asarray(upper, jnp.float32))),
-                                  np.asarray(K.unit_lower_inverse(jnp.asarray(M, jnp.float32))))
+    np.testing.assert_array_equal(
+        np.asarray(K.unit_lower_inverse(jnp.asarray(upper, jnp.float32))),
+        np.asarray(K.unit_lower_inverse(jnp.asarray(M, jnp.float32))),
+    )
 
 
 def test_reshape_round_trips_and_keeps_the_leading_sharding():
@@ -175,7 +194,7 @@ def test_reshape_round_trips_and_keeps_the_leading_sharding():
 def _same_document(ids, i, j):
     """Brute force from segment ids: tokens i and j (padding = the last token) lie in one run of equal ids."""
     i, j = sorted((min(i, len(ids) - 1), min(j, len(ids) - 1)))
-    return bool(np.all(ids[i:j + 1] == ids[i]))
+    return bool(np.all(ids[i : j + 1] == ids[i]))
 
 
 @pytest.mark.parametrize("T,C", [(21, 4), (16, 8), (5, 8)])
@@ -184,7 +203,7 @@ def test_runs_and_run_masks_match_a_brute_force_construction(T, C):
     token from the segment ids (documents are runs of equal ids; an id that comes back is a new one)."""
     rng = np.random.default_rng(T + C)
     ids = np.stack([np.repeat([5, 2, 5, 7], [3, 5, 1, T]), rng.integers(0, 2, T + 9)])[:, :T].astype(np.int32)
-    ids[1, C:2 * C] = 9  # a document that starts on a chunk boundary and fills the chunk
+    ids[1, C : 2 * C] = 9  # a document that starts on a chunk boundary and fills the chunk
     B, N = ids.shape[0], -(-T // C)
     doc = np.asarray(K.runs(jnp.asarray(ids), B, T))
     for b in range(B):
@@ -207,6 +226,7 @@ def test_runs_and_run_masks_match_a_brute_force_construction(T, C):
 
 # ---------------------------------------------------------------- strong decay
 
+
 @pytest.mark.parametrize("decay", [pytest.param(30.0, marks=LONG), 1e4])  # 30.0: 10-35 s, integration
 def test_strong_decay_stays_finite_and_exact(decay):
     """Log decays of -30 .. -1e4 per token: exp(-G) would overflow fp32; the kernel never forms it."""
@@ -228,6 +248,7 @@ def test_strong_decay_stays_finite_and_exact(decay):
 
 # ---------------------------------------------------------------- errors
 
+
 def test_bad_calls_raise_clear_errors():
     rng = np.random.default_rng(0)
     q, k, v, g, beta = inputs(rng, 1, 8, 2, 16, 8)
@@ -245,6 +266,7 @@ def test_bad_calls_raise_clear_errors():
 
 # ---------------------------------------------------------------- Pallas
 
+
 @pytest.mark.integration  # long: the Pallas kernel in the interpreter, 20-60 s on 2 cores
 def test_pallas_interpret_matches_xla():
     """The Pallas pairwise kernel (interpret mode on CPU) against the XLA path, forward and gradients."""
@@ -255,7 +277,8 @@ def test_pallas_interpret_matches_xla():
     def run(impl):
         def f(*a):
             o, s = K.kda(*a, segment_ids=seg, chunk_size=32, impl=impl)
-            return jnp.sum(o ** 2) + jnp.sum(s), (o, s)
+            return jnp.sum(o**2) + jnp.sum(s), (o, s)
+
         return jax.jit(jax.value_and_grad(f, (0, 1, 2, 3, 4), has_aux=True))(q, k, v, g, beta)
 
     (_, (o1, s1)), g1 = run("pallas_interpret")
@@ -270,13 +293,20 @@ def test_pallas_lowers_for_cuda():
     """The Triton kernel lowers for the CUDA platform on this CPU machine (it is not run)."""
     x = jax.ShapeDtypeStruct((2, 64, 2, 16), jnp.bfloat16)
     b = jax.ShapeDtypeStruct((2, 64, 2), jnp.float32)
-    f = jax.grad(lambda q, k, v, g, be: jnp.sum(K.kda(q, k, v, g, be, chunk_size=32, impl="pallas")[0]), (0, 1, 2, 3, 4))
-    text = jax.jit(f).trace(x, x, x, jax.ShapeDtypeStruct((2, 64, 2, 16), jnp.float32), b).lower(
-        lowering_platforms=("cuda",)).as_text()
+    f = jax.grad(
+        lambda q, k, v, g, be: jnp.sum(K.kda(q, k, v, g, be, chunk_size=32, impl="pallas")[0]), (0, 1, 2, 3, 4)
+    )
+    text = (
+        jax.jit(f)
+        .trace(x, x, x, jax.ShapeDtypeStruct((2, 64, 2, 16), jnp.float32), b)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
     assert "xla.gpu.triton" in text, "no Triton kernel in the CUDA lowering"
 
 
 # ---------------------------------------------------------------- FLOPs as computed
+
 
 def dot_flops(jaxpr) -> float:
     """2 x multiply-adds of every dot_general in a jaxpr, scan bodies times their length."""
@@ -304,13 +334,15 @@ def test_flops_per_token_counts_the_matmuls_as_computed(T, chunk):
 
 # ---------------------------------------------------------------- the variant
 
+
 def one_device():
     return jax.make_mesh((1, 1), ("data", "model"), axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[:1])
 
 
 def small(**over):
-    kw = dict(vocab_size=64, d_model=32, n_layers=4, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64, gate_rank=8,
-              chunk_size=16)
+    kw = dict(
+        vocab_size=64, d_model=32, n_layers=4, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64, gate_rank=8, chunk_size=16
+    )
     kw.update(over)
     return model.ModelConfig(**kw)
 
@@ -323,8 +355,9 @@ def test_layer_pattern_and_counts():
     assert shapes["kda"]["wq"][0] == 4 and shapes["attn"]["wq"][0] == 2
 
 
-@pytest.mark.parametrize("field,value", [("global_every", 1), ("chunk_size", 24), ("kda_impl", "cuda"),
-                                         ("conv_size", 0), ("gate_rank", 0)])
+@pytest.mark.parametrize(
+    "field,value", [("global_every", 1), ("chunk_size", 24), ("kda_impl", "cuda"), ("conv_size", 0), ("gate_rank", 0)]
+)
 def test_config_errors_name_the_field(field, value):
     with pytest.raises(model.ConfigError, match=f"model.{field}"):
         small(**{field: value})
@@ -386,7 +419,8 @@ def test_sharded_forward_equals_single_device():
         sharded = jax.tree.map(lambda w, s: jax.device_put(w, NamedSharding(mesh, s)), params, model.param_specs(cfg))
         row = NamedSharding(mesh, P("data", None))
         got = jax.jit(lambda p, t, s: model.forward(p, t, cfg, segment_ids=s))(
-            sharded, jax.device_put(tokens, row), jax.device_put(seg, row))
+            sharded, jax.device_put(tokens, row), jax.device_put(seg, row)
+        )
     close(got, want, 1e-4, "sharded logits")
 
 

@@ -79,8 +79,12 @@ def bench_experts(mc, tokens: int, tiles: list[int], rounds: int, reps: int) -> 
         for a, b in zip(f(*args), want):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(b))), err_msg=name)
     times = interleave({name: (lambda f=f: jax.block_until_ready(f(*args))) for name, f in steps.items()}, rounds, reps)
-    table(f"1. routed experts alone, fwd+bwd: {A} rows ({tokens} tokens x top_k {mc.top_k}), {E} experts, "
-          f"d_model {D}, d_expert {F} (* = the tile expert_tile picks)", times, ratio)
+    table(
+        f"1. routed experts alone, fwd+bwd: {A} rows ({tokens} tokens x top_k {mc.top_k}), {E} experts, "
+        f"d_model {D}, d_expert {F} (* = the tile expert_tile picks)",
+        times,
+        ratio,
+    )
 
 
 def bench_step(cfg, rounds: int, steps: int) -> None:
@@ -89,8 +93,12 @@ def bench_step(cfg, rounds: int, steps: int) -> None:
     rng = np.random.default_rng(0)
     B, T = cfg.batch_size, cfg.seq_len
     toks = rng.integers(0, cfg.model.vocab_size, (B, T + 1)).astype(np.int32)
-    host = {"tokens": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": np.zeros((B, T), np.int32),
-            "loss_mask": np.ones((B, T), np.float32)}
+    host = {
+        "tokens": toks[:, :-1],
+        "targets": toks[:, 1:],
+        "segment_ids": np.zeros((B, T), np.int32),
+        "loss_mask": np.ones((B, T), np.float32),
+    }
     runs, ratio = {}, {}
     with jax.set_mesh(mesh):
         batch = train.to_device(host, mesh, (cfg.grad_accum,))
@@ -121,8 +129,10 @@ def main():
     ap.add_argument("--no-step", dest="step", action="store_false", help="part 1 only")
     a = ap.parse_args()
     cfg = train.TrainConfig(batch_size=a.batch_size, seq_len=a.seq_len)
-    print(f"moe_hero grouped matmul, fp32, {jax.devices()[0].platform}, {os.cpu_count()} CPUs; "
-          f"auto picks {model.expert_matmul(cfg.model, jax.default_backend())} here")
+    print(
+        f"moe_hero grouped matmul, fp32, {jax.devices()[0].platform}, {os.cpu_count()} CPUs; "
+        f"auto picks {model.expert_matmul(cfg.model, jax.default_backend())} here"
+    )
     bench_experts(cfg.model, a.batch_size * a.seq_len, a.tiles, a.rounds, a.reps)
     if a.step:
         bench_step(cfg, a.rounds, a.steps)

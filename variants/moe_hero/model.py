@@ -103,34 +103,60 @@ class ModelConfig:
 
     def __post_init__(self):
         check_types(self, "model.")
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
-                     "n_experts", "top_k", "d_expert"):
+        for name in (
+            "vocab_size",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "head_dim",
+            "d_ff",
+            "n_experts",
+            "top_k",
+            "d_expert",
+        ):
             check(getattr(self, name) > 0, f"model.{name}", f"must be positive, got {getattr(self, name)}")
-        check(self.n_heads % self.n_kv_heads == 0, "model.n_heads",
-              f"{self.n_heads} is not a multiple of model.n_kv_heads={self.n_kv_heads}")
+        check(
+            self.n_heads % self.n_kv_heads == 0,
+            "model.n_heads",
+            f"{self.n_heads} is not a multiple of model.n_kv_heads={self.n_kv_heads}",
+        )
         check(self.head_dim % 2 == 0, "model.head_dim", f"RoPE needs an even head_dim, got {self.head_dim}")
-        check(0 <= self.n_dense_layers < self.n_layers, "model.n_dense_layers",
-              f"{self.n_dense_layers} must be in [0, n_layers={self.n_layers}): at least one MoE layer")
+        check(
+            0 <= self.n_dense_layers < self.n_layers,
+            "model.n_dense_layers",
+            f"{self.n_dense_layers} must be in [0, n_layers={self.n_layers}): at least one MoE layer",
+        )
         check(self.top_k <= self.n_experts, "model.top_k", f"{self.top_k} > n_experts={self.n_experts}")
         check(self.n_shared >= 0, "model.n_shared", f"must be >= 0, got {self.n_shared}")
         check(self.routed_scale > 0, "model.routed_scale", f"must be positive, got {self.routed_scale}")
         for name in ("router_z_loss", "balance_loss", "z_loss"):
             check(getattr(self, name) >= 0, f"model.{name}", f"must be >= 0, got {getattr(self, name)}")
-        check(self.dispatch in ("dropless", "capacity"), "model.dispatch",
-              f"must be dropless or capacity, got {self.dispatch!r}")
+        check(
+            self.dispatch in ("dropless", "capacity"),
+            "model.dispatch",
+            f"must be dropless or capacity, got {self.dispatch!r}",
+        )
         check(self.capacity_factor > 0, "model.capacity_factor", f"must be positive, got {self.capacity_factor}")
         check(self.a2a in ("auto", "ragged", "dense"), "model.a2a", f"must be auto, ragged or dense, got {self.a2a!r}")
-        check(self.expert_matmul in ("auto", "ragged", "tiled"), "model.expert_matmul",
-              f"must be auto, ragged or tiled, got {self.expert_matmul!r}")
+        check(
+            self.expert_matmul in ("auto", "ragged", "tiled"),
+            "model.expert_matmul",
+            f"must be auto, ragged or tiled, got {self.expert_matmul!r}",
+        )
         for name in ("param_dtype", "compute_dtype"):
-            check(getattr(self, name) in ("float32", "bfloat16"), f"model.{name}",
-                  f"must be float32 or bfloat16, got {getattr(self, name)!r}")
+            check(
+                getattr(self, name) in ("float32", "bfloat16"),
+                f"model.{name}",
+                f"must be float32 or bfloat16, got {getattr(self, name)!r}",
+            )
         check(self.remat in REMAT, "model.remat", f"must be one of {sorted(REMAT)}, got {self.remat!r}")
         check(self.init_std > 0, "model.init_std", f"must be positive, got {self.init_std}")
         check(self.window > 0, "model.window", f"must be positive, got {self.window}")
         check(self.global_every > 0, "model.global_every", f"must be positive, got {self.global_every}")
-        check(self.global_rope in ("rope", "none"), "model.global_rope",
-              f"must be rope or none, got {self.global_rope!r}")
+        check(
+            self.global_rope in ("rope", "none"), "model.global_rope", f"must be rope or none, got {self.global_rope!r}"
+        )
         for name in ("local_rope_theta", "global_rope_theta"):
             check(getattr(self, name) > 0, f"model.{name}", f"must be positive, got {getattr(self, name)}")
         check(self.attn_softcap >= 0, "model.attn_softcap", f"must be >= 0 (0 = off), got {self.attn_softcap}")
@@ -141,8 +167,11 @@ class ModelConfig:
         check(why is None, "model.attention_backend", f"{self.attention_backend!r} cannot run the global layers: {why}")
         local, inherited = local_backend(self), "" if self.local_attention_backend else " (from attention_backend)"
         why = kernels.refusal("attention", local, attention_call(self, self.window))
-        check(why is None, "model.local_attention_backend",
-              f"{local!r}{inherited} cannot run the sliding-window layers: {why}")
+        check(
+            why is None,
+            "model.local_attention_backend",
+            f"{local!r}{inherited} cannot run the sliding-window layers: {why}",
+        )
 
     @property
     def n_moe_layers(self) -> int:
@@ -165,8 +194,15 @@ def attention_call(cfg: ModelConfig, window: int | None) -> kernels.AttentionCal
     a row of 2 * window tokens (longer than the window) without documents. The row length, the
     documents and the sharding are checked again when the layer is traced."""
     T = 2 * cfg.window
-    return kernels.AttentionCall((1, T, cfg.n_heads, cfg.head_dim), (1, T, cfg.n_kv_heads, cfg.head_dim),
-                                 jnp.dtype(cfg.compute_dtype), True, window, False, cfg.attn_softcap)
+    return kernels.AttentionCall(
+        (1, T, cfg.n_heads, cfg.head_dim),
+        (1, T, cfg.n_kv_heads, cfg.head_dim),
+        jnp.dtype(cfg.compute_dtype),
+        True,
+        window,
+        False,
+        cfg.attn_softcap,
+    )
 
 
 def capacity(cfg: ModelConfig, tokens_per_device: int) -> int:
@@ -231,18 +267,24 @@ def expert_flops_ratio(cfg: ModelConfig, tokens_per_device: int, platform: str, 
 
 # ---------------------------------------------------------------- parameters
 
+
 def _attn_weights(cfg: ModelConfig, L: int) -> dict:
     D, q, kv = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     col, row, rep = P(None, BATCH, "model"), P(None, "model", BATCH), P(None, None)
     std, out_std = normal(cfg.init_std), normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
-    w = {"attn_norm": Weight((L, D), rep, "norm", ones),
-         "wq": Weight((L, D, q), col, "matrix", std, fan_in=1, fan_out=2),
-         "wk": Weight((L, D, kv), col, "matrix", std, fan_in=1, fan_out=2),
-         "wv": Weight((L, D, kv), col, "matrix", std, fan_in=1, fan_out=2),
-         "wo": Weight((L, q, D), row, "matrix", out_std, fan_in=1, fan_out=2),
-         "mlp_norm": Weight((L, D), rep, "norm", ones)}
+    w = {
+        "attn_norm": Weight((L, D), rep, "norm", ones),
+        "wq": Weight((L, D, q), col, "matrix", std, fan_in=1, fan_out=2),
+        "wk": Weight((L, D, kv), col, "matrix", std, fan_in=1, fan_out=2),
+        "wv": Weight((L, D, kv), col, "matrix", std, fan_in=1, fan_out=2),
+        "wo": Weight((L, q, D), row, "matrix", out_std, fan_in=1, fan_out=2),
+        "mlp_norm": Weight((L, D), rep, "norm", ones),
+    }
     if cfg.qk_norm:
-        w |= {"q_norm": Weight((L, cfg.head_dim), rep, "norm", ones), "k_norm": Weight((L, cfg.head_dim), rep, "norm", ones)}
+        w |= {
+            "q_norm": Weight((L, cfg.head_dim), rep, "norm", ones),
+            "k_norm": Weight((L, cfg.head_dim), rep, "norm", ones),
+        }
     if cfg.head_gate:  # heads, as in wq's columns; 2 * sigmoid(0) = 1: the gate starts as the identity
         w["head_gate"] = Weight((L, cfg.n_heads), P(None, "model"), "gain", zeros)
     return w
@@ -269,17 +311,23 @@ def weights(cfg: ModelConfig) -> dict:
     }
     if cfg.n_shared:
         S = cfg.n_shared * Fe
-        moe |= {"sh_gate": Weight((Lm, D, S), col, "matrix", std, fan_in=1, fan_out=2),
-                "sh_up": Weight((Lm, D, S), col, "matrix", std, fan_in=1, fan_out=2),
-                "sh_down": Weight((Lm, S, D), row, "matrix", out_std, fan_in=1, fan_out=2)}
-    decl = {"embed": Weight((V, D), P("model", BATCH), "embedding", std, fan_in=0, fan_out=1),
-            "moe_layers": moe, "final_norm": Weight((D,), P(None), "norm", ones)}
+        moe |= {
+            "sh_gate": Weight((Lm, D, S), col, "matrix", std, fan_in=1, fan_out=2),
+            "sh_up": Weight((Lm, D, S), col, "matrix", std, fan_in=1, fan_out=2),
+            "sh_down": Weight((Lm, S, D), row, "matrix", out_std, fan_in=1, fan_out=2),
+        }
+    decl = {
+        "embed": Weight((V, D), P("model", BATCH), "embedding", std, fan_in=0, fan_out=1),
+        "moe_layers": moe,
+        "final_norm": Weight((D,), P(None), "norm", ones),
+    }
     if Ld:
         F = cfg.d_ff
         decl["dense_layers"] = _attn_weights(cfg, Ld) | {
             "w_gate": Weight((Ld, D, F), col, "matrix", std, fan_in=1, fan_out=2),
             "w_up": Weight((Ld, D, F), col, "matrix", std, fan_in=1, fan_out=2),
-            "w_down": Weight((Ld, F, D), row, "matrix", out_std, fan_in=1, fan_out=2)}
+            "w_down": Weight((Ld, F, D), row, "matrix", out_std, fan_in=1, fan_out=2),
+        }
     if not cfg.tie_embeddings:
         decl["unembed"] = Weight((D, V), P(BATCH, "model"), "unembedding", std, fan_in=0, fan_out=1)
     return decl
@@ -303,7 +351,12 @@ def init(cfg: ModelConfig, key) -> dict:
 def sharded_dims(cfg: ModelConfig) -> tuple:
     """(field, size) of each size the `model` (tensor-parallel) mesh axis splits: train.py's make_mesh refuses
     a mesh_model that does not divide one, naming the field."""
-    return (("n_kv_heads", cfg.n_kv_heads), ("d_ff", cfg.d_ff), ("vocab_size", cfg.vocab_size), ("d_expert", cfg.d_expert))
+    return (
+        ("n_kv_heads", cfg.n_kv_heads),
+        ("d_ff", cfg.d_ff),
+        ("vocab_size", cfg.vocab_size),
+        ("d_expert", cfg.d_expert),
+    )
 
 
 def context_refusal(cfg: ModelConfig, seq_len: int, n: int) -> str | None:
@@ -343,12 +396,15 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     n_experts - top_k idle experts, nor padding slots or the grouped matmul's fallback work:
     `expert_flops_ratio` gives those as a factor on the routed experts' FLOPs),
     plus causal attention with local layers at their window."""
-    attn = sum(flops.attention_flops_per_token(seq_len, cfg.n_heads, cfg.head_dim, window=None if g else cfg.window)
-               for g in global_layers(cfg))
+    attn = sum(
+        flops.attention_flops_per_token(seq_len, cfg.n_heads, cfg.head_dim, window=None if g else cfg.window)
+        for g in global_layers(cfg)
+    )
     return flops.matmul_flops_per_token(_matmul_params_per_token(cfg)) + attn
 
 
 # ---------------------------------------------------------------- the network
+
 
 def rms_norm(x, w, eps):
     """RMSNorm over the last axis, fp32 statistics (shared/kernels/rms_norm.py: XLA, or QuACK on GPU)."""
@@ -376,8 +432,10 @@ def rope_angles(pos, head_dim, theta):
 
 def layer_angles(pos, cfg: ModelConfig) -> dict:
     """The RoPE tables of the local and the global layers, made once per forward pass."""
-    return {"local": rope_angles(pos, cfg.head_dim, cfg.local_rope_theta),
-            "global": rope_angles(pos, cfg.head_dim, cfg.global_rope_theta)}
+    return {
+        "local": rope_angles(pos, cfg.head_dim, cfg.local_rope_theta),
+        "global": rope_angles(pos, cfg.head_dim, cfg.global_rope_theta),
+    }
 
 
 def rope(x, angles):
@@ -405,14 +463,30 @@ def attend(q, k, v, angles, segment_ids, is_global, cfg: ModelConfig):
 
     def local(q, k, v):
         q, k = rope(q, angles["local"]), rope(k, angles["local"])
-        return context.attention(q, k, v, segment_ids=segment_ids, causal=True, window=cfg.window,
-                                 softcap=cfg.attn_softcap, backend=local_backend(cfg)), k
+        return context.attention(
+            q,
+            k,
+            v,
+            segment_ids=segment_ids,
+            causal=True,
+            window=cfg.window,
+            softcap=cfg.attn_softcap,
+            backend=local_backend(cfg),
+        ), k
 
     def global_(q, k, v):
         if cfg.global_rope == "rope":
             q, k = rope(q, angles["global"]), rope(k, angles["global"])
-        return context.attention(q, k, v, segment_ids=segment_ids, causal=True, window=None,
-                                 softcap=cfg.attn_softcap, backend=cfg.attention_backend), k
+        return context.attention(
+            q,
+            k,
+            v,
+            segment_ids=segment_ids,
+            causal=True,
+            window=None,
+            softcap=cfg.attn_softcap,
+            backend=cfg.attention_backend,
+        ), k
 
     return jax.lax.cond(is_global, global_, local, q, k, v)
 
@@ -428,9 +502,15 @@ def attention(x, layer, angles, segment_ids, is_global, cfg: ModelConfig, cache=
     B, T, _ = x.shape
     col, row, heads = P(None, "model"), P("model", None), acts("model", None)
     h = rms_norm(x, layer["attn_norm"], cfg.norm_eps)
-    q = jnp.einsum("btd,dq->btq", h, gather(layer["wq"], col, dt)).reshape(B, T, cfg.n_heads, cfg.head_dim, out_sharding=heads)
-    k = jnp.einsum("btd,dk->btk", h, gather(layer["wk"], col, dt)).reshape(B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads)
-    v = jnp.einsum("btd,dk->btk", h, gather(layer["wv"], col, dt)).reshape(B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads)
+    q = jnp.einsum("btd,dq->btq", h, gather(layer["wq"], col, dt)).reshape(
+        B, T, cfg.n_heads, cfg.head_dim, out_sharding=heads
+    )
+    k = jnp.einsum("btd,dk->btk", h, gather(layer["wk"], col, dt)).reshape(
+        B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads
+    )
+    v = jnp.einsum("btd,dk->btk", h, gather(layer["wv"], col, dt)).reshape(
+        B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads
+    )
     if cfg.qk_norm:  # per-head RMSNorm over head_dim, one learned scale vector per layer
         q, k = rms_norm(q, layer["q_norm"], cfg.norm_eps), rms_norm(k, layer["k_norm"], cfg.norm_eps)
     if cache is None:
@@ -440,7 +520,10 @@ def attention(x, layer, angles, segment_ids, is_global, cfg: ModelConfig, cache=
         rotary = "global" if is_global else "local"
         if rotary == "local" or cfg.global_rope == "rope":
             q, k = rope(q, angles[rotary]), rope(k, angles[rotary])
-        kv = {n: jax.lax.dynamic_update_slice_in_dim(cache[n], new, cache["slot"], axis=1) for n, new in (("k", k), ("v", v))}
+        kv = {
+            n: jax.lax.dynamic_update_slice_in_dim(cache[n], new, cache["slot"], axis=1)
+            for n, new in (("k", k), ("v", v))
+        }
         o = attend_cache(q, kv["k"], kv["v"], cache["visible"], cfg.attn_softcap)
     if cfg.head_gate:
         o = o * (2 * jax.nn.sigmoid(layer["head_gate"].astype(jnp.float32))).astype(dt)[:, None]
@@ -459,6 +542,7 @@ def swiglu(h, w_gate, w_up, w_down):
 
 
 # ---------------------------------------------------------------- routing and dispatch (per device)
+
 
 @jax.named_scope("route")
 def route(x, w_router, bias, cfg: ModelConfig):
@@ -559,12 +643,14 @@ def _dropless(xs, e_sorted, counts, wg, wu, wd, *, ep, a2a, matmul):
         recv_sizes = allc[:, me]
         recv_off = jnp.cumsum(recv_sizes) - recv_sizes  # received rows are packed by source
         out_off = (jnp.cumsum(allc, axis=0) - allc)[me]  # where my rows land in each peer's buffer
-        recv = RAGGED_ALL_TO_ALL(xs, jnp.zeros((ep * A, D), xs.dtype), pstart, pc, out_off, recv_sizes,
-                                 axis_name="expert")
+        recv = RAGGED_ALL_TO_ALL(
+            xs, jnp.zeros((ep * A, D), xs.dtype), pstart, pc, out_off, recv_sizes, axis_name="expert"
+        )
         y = _receiver_experts(recv, rc, recv_off, wg, wu, wd, matmul=matmul)
         back_off = _a2a(pstart, ep)  # source s's pstart[me]: where its rows sit in its own xs
-        return checkpoint_name(RAGGED_ALL_TO_ALL(y, jnp.zeros_like(xs), recv_off, recv_sizes, back_off, pc,
-                                                 axis_name="expert"), "moe_out")
+        return checkpoint_name(
+            RAGGED_ALL_TO_ALL(y, jnp.zeros_like(xs), recv_off, recv_sizes, back_off, pc, axis_name="expert"), "moe_out"
+        )
     # fixed capacity: A rows per peer (the worst case, so nothing can overflow)
     peer = e_sorted // El
     slot = peer * A + jnp.arange(A) - pstart[peer]
@@ -646,15 +732,24 @@ def moe_ffn(h, layer, cfg: ModelConfig, weight=None):
     """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or set(mesh.axis_names) - {context.AXIS, context.REPLICA} != {"data", "expert", "model"}:
-        raise ConfigError("moe_hero runs under a mesh with axes data, expert, model (train.make_mesh); "
-                          f"got {mesh.axis_names if not mesh.empty else 'no mesh'}")
+        raise ConfigError(
+            "moe_hero runs under a mesh with axes data, expert, model (train.make_mesh); "
+            f"got {mesh.axis_names if not mesh.empty else 'no mesh'}"
+        )
     dt, ep = h.dtype, mesh.shape["expert"]
     a2a = cfg.a2a if cfg.a2a != "auto" else ("ragged" if jax.default_backend() in ("gpu", "tpu") else "dense")
     matmul = expert_matmul(cfg, jax.default_backend())
     ex, exd = P("expert", None, "model"), P("expert", "model", None)
     weight = reshard(jnp.ones(h.shape[:2], jnp.float32) if weight is None else weight, acts())
-    args = (h, weight, reshard(layer["router"], P(None, None)), reshard(layer["router_bias"], P(None)),
-            gather(layer["ex_gate"], ex, dt), gather(layer["ex_up"], ex, dt), gather(layer["ex_down"], exd, dt))
+    args = (
+        h,
+        weight,
+        reshard(layer["router"], P(None, None)),
+        reshard(layer["router_bias"], P(None)),
+        gather(layer["ex_gate"], ex, dt),
+        gather(layer["ex_up"], ex, dt),
+        gather(layer["ex_down"], exd, dt),
+    )
     routed, stats = jax.shard_map(
         functools.partial(_moe_local, cfg=cfg, ep=ep, a2a=a2a, matmul=matmul),
         in_specs=(acts(None), acts(), P(None, None), P(None), ex, ex, exd),
@@ -671,7 +766,8 @@ REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "moe": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names("moe_in", "moe_out")),
+        jax.checkpoint_policies.save_only_these_names("moe_in", "moe_out"),
+    ),
 }
 
 
@@ -758,12 +854,20 @@ def loss_fn(params, batch, cfg: ModelConfig):
         loss = loss + cfg.router_z_loss * router_z
     if cfg.balance_loss:
         loss = loss + cfg.balance_loss * balance
-    return loss, {"loss": ce, "z": z, "tokens": n, "load": st["load"].astype(jnp.float32),
-                  "dropped": jnp.sum(st["dropped"]).astype(jnp.float32),
-                  "assignments": jnp.float32(B * T * cfg.top_k * Lm), "router_z": router_z, "balance": balance}
+    return loss, {
+        "loss": ce,
+        "z": z,
+        "tokens": n,
+        "load": st["load"].astype(jnp.float32),
+        "dropped": jnp.sum(st["dropped"]).astype(jnp.float32),
+        "assignments": jnp.float32(B * T * cfg.top_k * Lm),
+        "router_z": router_z,
+        "balance": balance,
+    }
 
 
 # ---------------------------------------------------------------- decoding with a cache
+
 
 def cache_specs(cfg: ModelConfig) -> dict:
     """PartitionSpec of every leaf of `init_cache`: rows over ("data", "expert") (BATCH), heads over `model`."""
@@ -783,8 +887,13 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:
     specs, dt = cache_specs(cfg), jnp.dtype(cfg.compute_dtype)
     n_global = sum(global_layers(cfg))
     sizes = {"global": (n_global, max_len), "local": (cfg.n_layers - n_global, min(cfg.window, max_len))}
-    cache = {kind: {n: jnp.zeros((L, batch, S, cfg.n_kv_heads, cfg.head_dim), dt, out_sharding=specs[kind][n])
-                    for n in ("k", "v")} for kind, (L, S) in sizes.items()}
+    cache = {
+        kind: {
+            n: jnp.zeros((L, batch, S, cfg.n_kv_heads, cfg.head_dim), dt, out_sharding=specs[kind][n])
+            for n in ("k", "v")
+        }
+        for kind, (L, S) in sizes.items()
+    }
     return cache | {"pos": jnp.zeros((batch,), jnp.int32, out_sharding=specs["pos"]), "slot": jnp.zeros((), jnp.int32)}
 
 
@@ -802,7 +911,7 @@ def store_prompt(cache, kv, cfg: ModelConfig) -> dict:
         for n in ("k", "v"):
             x = jnp.stack([kv[n][i] for i in layers])  # [layers of this kind, B, T, ...]
             if T > R:  # a local ring shorter than the prompt: its last R slots, slot s at s % R
-                x = jnp.roll(x[:, :, T - R:], (T - R) % R, axis=2)
+                x = jnp.roll(x[:, :, T - R :], (T - R) % R, axis=2)
             else:
                 x = jax.lax.dynamic_update_slice_in_dim(cache[kind][n], x, 0, axis=2)
             out[kind] = out[kind] | {n: x}
@@ -866,8 +975,10 @@ def decode_step(params, token, cache, cfg: ModelConfig):
     slot, first = cache["slot"], cache["slot"] - cache["pos"]  # first: each row's first slot (its prompt's start)
     s, R = jnp.arange(cache["global"]["k"].shape[2]), cache["local"]["k"].shape[2]
     held = slot - (slot - jnp.arange(R)) % R  # the slot ring entry j holds once this token is written
-    at = {"global": {"slot": slot, "visible": (s[None, :] >= first[:, None]) & (s[None, :] <= slot)},
-          "local": {"slot": slot % R, "visible": held[None, :] >= first[:, None]}}
+    at = {
+        "global": {"slot": slot, "visible": (s[None, :] >= first[:, None]) & (s[None, :] <= slot)},
+        "local": {"slot": slot % R, "visible": held[None, :] >= first[:, None]},
+    }
     new = {"global": [], "local": []}
     nd = cfg.n_dense_layers
     for i, is_global in enumerate(global_layers(cfg)):
@@ -880,6 +991,8 @@ def decode_step(params, token, cache, cfg: ModelConfig):
         x = x + (swiglu(h, layer["w_gate"], layer["w_up"], layer["w_down"]) if i < nd else moe_ffn(h, layer, cfg)[0])
     h = rms_norm(x[:, 0], params["final_norm"], cfg.norm_eps)
     logits = jnp.einsum("bd,dv->bv", h, unembedding(params, cfg), preferred_element_type=jnp.float32)
-    stacked = {kind: {n: jnp.stack([kv[n] for kv in kvs]) for n in ("k", "v")} if kvs else cache[kind]
-               for kind, kvs in new.items()}
+    stacked = {
+        kind: {n: jnp.stack([kv[n] for kv in kvs]) for n in ("k", "v")} if kvs else cache[kind]
+        for kind, kvs in new.items()
+    }
     return logits, stacked | {"pos": cache["pos"] + 1, "slot": slot + 1}

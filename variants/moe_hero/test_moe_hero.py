@@ -36,14 +36,29 @@ AXES = ("data", "expert", "model")
 
 
 def small(**over):
-    kw = dict(vocab_size=64, d_model=32, n_layers=2, n_dense_layers=1, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
-              n_experts=8, top_k=2, n_shared=1, d_expert=16, window=4, global_every=2, remat="none")
+    kw = dict(
+        vocab_size=64,
+        d_model=32,
+        n_layers=2,
+        n_dense_layers=1,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        d_ff=64,
+        n_experts=8,
+        top_k=2,
+        n_shared=1,
+        d_expert=16,
+        window=4,
+        global_every=2,
+        remat="none",
+    )
     kw.update(over)
     return model.ModelConfig(**kw)
 
 
 def mesh(shape):
-    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Explicit,) * 3, devices=jax.devices()[:math.prod(shape)])
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Explicit,) * 3, devices=jax.devices()[: math.prod(shape)])
 
 
 def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
@@ -51,7 +66,9 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
     device i land in device j's output at output_offsets[j] (offsets as device i computed them)."""
     me = jax.lax.axis_index(axis_name)
     src = jax.lax.all_gather(operand, axis_name)  # [ep, A, D]
-    in_off, sizes, out_off = (jax.lax.all_gather(x, axis_name)[:, me] for x in (input_offsets, send_sizes, output_offsets))
+    in_off, sizes, out_off = (
+        jax.lax.all_gather(x, axis_name)[:, me] for x in (input_offsets, send_sizes, output_offsets)
+    )
     r = jnp.arange(output.shape[0])
     for i in range(src.shape[0]):  # from source i: rows out_off[i] .. out_off[i] + sizes[i] of my output
         hit = (r >= out_off[i]) & (r < out_off[i] + sizes[i])
@@ -71,7 +88,12 @@ def params_and_batch(cfg, B=8, T=16, seed=0):
     rng = np.random.default_rng(seed)
     toks = rng.integers(0, cfg.vocab_size, (B, T + 1)).astype(np.int32)
     seg = np.sort(rng.integers(0, 3, (B, T)), axis=1).astype(np.int32)
-    batch = {"tokens": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": seg, "loss_mask": np.ones((B, T), np.float32)}
+    batch = {
+        "tokens": toks[:, :-1],
+        "targets": toks[:, 1:],
+        "segment_ids": seg,
+        "loss_mask": np.ones((B, T), np.float32),
+    }
     return params, batch
 
 
@@ -86,12 +108,14 @@ def loss_and_grads(cfg, shape, params, batch):
 
 # ---------------------------------------------------------------- expert parallelism
 
+
 def ep_case(a2a):
     cfg = small(a2a=a2a, router_z_loss=1e-3, balance_loss=1e-2)
     params, batch = params_and_batch(cfg)
     # a non-zero router bias, so the biased choice is exercised too
-    params["moe_layers"]["router_bias"] = np.random.default_rng(1).normal(0, 0.05, (cfg.n_moe_layers, 8)).astype(
-        np.float32)
+    params["moe_layers"]["router_bias"] = (
+        np.random.default_rng(1).normal(0, 0.05, (cfg.n_moe_layers, 8)).astype(np.float32)
+    )
     return cfg, params, batch
 
 
@@ -101,11 +125,17 @@ def single_device():
     return loss_and_grads(*ep_case("dense")[0:1], (1, 1, 1), *ep_case("dense")[1:])
 
 
-@pytest.mark.parametrize("shape,a2a", [pytest.param((2, 2, 2), "dense", marks=LONG), pytest.param((2, 4, 1), "ragged", marks=LONG),
-                                       pytest.param((1, 8, 1), "dense", marks=LONG),
-                                       pytest.param((1, 8, 1), "ragged", marks=LONG)],  # 20-110 s each: integration
-                         # (the fast tier's contract runs moe_hero's train step with mesh_expert 2)
-                         ids=["ep2-dense", "ep4-ragged", "ep8-dense", "ep8-ragged"])
+@pytest.mark.parametrize(
+    "shape,a2a",
+    [
+        pytest.param((2, 2, 2), "dense", marks=LONG),
+        pytest.param((2, 4, 1), "ragged", marks=LONG),
+        pytest.param((1, 8, 1), "dense", marks=LONG),
+        pytest.param((1, 8, 1), "ragged", marks=LONG),
+    ],  # 20-110 s each: integration
+    # (the fast tier's contract runs moe_hero's train step with mesh_expert 2)
+    ids=["ep2-dense", "ep4-ragged", "ep8-dense", "ep8-ragged"],
+)
 def test_expert_parallel_equals_single_device(shape, a2a, ragged_on_cpu):
     cfg, params, batch = ep_case(a2a)
     loss1, g1, m1 = single_device()
@@ -118,6 +148,7 @@ def test_expert_parallel_equals_single_device(shape, a2a, ragged_on_cpu):
 
 
 # ---------------------------------------------------------------- router
+
 
 def test_bias_chooses_experts_but_never_weighs_them():
     cfg = small(top_k=2, routed_scale=2.5)
@@ -146,6 +177,7 @@ def test_balance_bias_moves_against_the_load():
 
 
 # ---------------------------------------------------------------- dispatch against a per-token reference
+
 
 def reference_routed(x, layer, cfg, slots=None):
     """The routed experts token by token in numpy float64: each expert keeps its first `slots`
@@ -198,6 +230,7 @@ def test_dispatch_matches_per_token_reference(dispatch, cf):
 
 # ---------------------------------------------------------------- the grouped matmul: tiled against ragged
 
+
 def grouped_grads(f, x, sizes, wg, wu, wd, ct):
     """f's output and its gradients (rows, three expert weights) under the cotangent ct."""
     out = jax.jit(f)(x, sizes, wg, wu, wd)
@@ -205,12 +238,16 @@ def grouped_grads(f, x, sizes, wg, wu, wd, ct):
     return [np.asarray(out)] + [np.asarray(g) for g in grads]
 
 
-@pytest.mark.parametrize("sizes,pad,tile", [
-    ([5, 0, 13, 1, 0, 9], 0, 4),  # uneven, empty experts, several tiles per expert
-    ([0, 0, 7, 0], 6, 3),  # one expert, padding rows after the groups (EP's receive buffer)
-    ([5, 5, 5, 5], 0, 4),  # every group one row past a tile: exactly the n_tiles bound
-    ([17, 0, 2], 9, 32),  # a tile larger than every group
-], ids=["uneven-empty", "padding-rows", "at-the-bound", "one-tile"])
+@pytest.mark.parametrize(
+    "sizes,pad,tile",
+    [
+        ([5, 0, 13, 1, 0, 9], 0, 4),  # uneven, empty experts, several tiles per expert
+        ([0, 0, 7, 0], 6, 3),  # one expert, padding rows after the groups (EP's receive buffer)
+        ([5, 5, 5, 5], 0, 4),  # every group one row past a tile: exactly the n_tiles bound
+        ([17, 0, 2], 9, 32),  # a tile larger than every group
+    ],
+    ids=["uneven-empty", "padding-rows", "at-the-bound", "one-tile"],
+)
 def test_tiled_equals_ragged(sizes, pad, tile):
     """_experts_tiled computes what ragged_dot does, outputs and gradients, fp32; padding rows give 0."""
     rng = np.random.default_rng(0)
@@ -224,7 +261,7 @@ def test_tiled_equals_ragged(sizes, pad, tile):
     tiled = grouped_grads(functools.partial(model._experts_tiled, tile=tile), x, sizes, wg, wu, wd, ct)
     for name, a, b in zip(("output", "d rows", "d gate", "d up", "d down"), tiled, ragged):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
-    assert np.all(tiled[0][R - pad:] == 0) and np.any(tiled[0][:R - pad] != 0)
+    assert np.all(tiled[0][R - pad :] == 0) and np.any(tiled[0][: R - pad] != 0)
 
 
 def moe_ffn_grads(cfg, shape, layer, h, ct):
@@ -239,13 +276,23 @@ def moe_ffn_grads(cfg, shape, layer, h, ct):
         f = lambda x, w: jnp.sum(model.moe_ffn(x, w, cfg)[0] * c)  # noqa: E731
         y, stats = jax.jit(lambda x, w: model.moe_ffn(x, w, cfg))(x, w)
         gx, gw = jax.jit(jax.grad(f, argnums=(0, 1)))(x, w)
-    return {"output": np.asarray(y), "d input": np.asarray(gx), **{f"d {k}": np.asarray(gw[k]) for k in names},
-            "load": np.asarray(stats["load"])}
+    return {
+        "output": np.asarray(y),
+        "d input": np.asarray(gx),
+        **{f"d {k}": np.asarray(gw[k]) for k in names},
+        "load": np.asarray(stats["load"]),
+    }
 
 
-@pytest.mark.parametrize("shape,a2a", [((1, 1, 1), "dense"), pytest.param((2, 2, 2), "dense", marks=LONG),
-                                       pytest.param((1, 4, 1), "ragged", marks=LONG)],  # 10-16 s each: integration
-                         ids=["ep1", "ep2-tp2-dense", "ep4-ragged"])
+@pytest.mark.parametrize(
+    "shape,a2a",
+    [
+        ((1, 1, 1), "dense"),
+        pytest.param((2, 2, 2), "dense", marks=LONG),
+        pytest.param((1, 4, 1), "ragged", marks=LONG),
+    ],  # 10-16 s each: integration
+    ids=["ep1", "ep2-tp2-dense", "ep4-ragged"],
+)
 def test_tiled_equals_ragged_in_moe_ffn(shape, a2a, ragged_on_cpu, monkeypatch):
     """The routed experts with expert_matmul tiled and ragged, with expert parallelism: the same output
     and gradients; tiles of 4 rows (several per expert), two experts never chosen."""
@@ -307,21 +354,36 @@ def test_local_and_global_attention_backends_are_checked_in_the_config():
 
 # ---------------------------------------------------------------- the train loop
 
+
 @pytest.mark.integration  # a long run: 30 steps on real data
 def test_bias_update_balances_load_on_real_data(small_corpus, tmp_path):
     """With the weights frozen (lr ~ 0), only the router bias moves: the per-expert load spread of
     the stdlib text must shrink over the run, and without the update it must not."""
+
     def run(rate, sub):
         cfg = train.TrainConfig(
             data=data.DataConfig(source=small_corpus, val_fraction=0.1),
             model=small(vocab_size=512, d_model=64, n_experts=16, top_k=2, d_expert=32, init_std=0.3),
-            seq_len=64, batch_size=16, steps=30, warmup_steps=0, lr=1e-9, bias_rate=rate, eval_every=30,
-            eval_batches=1, log_every=10, save_every=0, run_dir=str(tmp_path / sub), wandb="disabled",
-            sample_tokens=0, mesh_expert=2)
+            seq_len=64,
+            batch_size=16,
+            steps=30,
+            warmup_steps=0,
+            lr=1e-9,
+            bias_rate=rate,
+            eval_every=30,
+            eval_batches=1,
+            log_every=10,
+            save_every=0,
+            run_dir=str(tmp_path / sub),
+            wandb="disabled",
+            sample_tokens=0,
+            mesh_expert=2,
+        )
         train.main(cfg)
         with open(tmp_path / sub / "metrics.jsonl") as f:
             rows = [json.loads(line) for line in f]
         return [r["train/load_cv"] for r in rows if "train/load_cv" in r], rows[-1]
+
     cv, last = run(0.01, "bias")
     cv0, _ = run(0.0, "none")
     assert len(cv) == 4  # step 1 (before any update), 10, 20, 30
@@ -341,6 +403,7 @@ def test_mesh_errors_name_the_field():
 
 
 # ---------------------------------------------------------------- FLOPs
+
 
 def test_flops_count_active_parameters():
     cfg = small(n_layers=4, n_dense_layers=1, n_experts=8, top_k=2, n_shared=1)
@@ -367,14 +430,16 @@ def test_decoding_routes_as_forward_and_drops_nothing():
     with dispatch="dropless", not forward as configured; at a factor that drops nothing (8) it equals it."""
     cfg = small(dispatch="capacity", capacity_factor=0.5)  # a dense local layer, then a MoE global one
     params, _ = params_and_batch(cfg)
-    params["moe_layers"]["router_bias"] = np.random.default_rng(1).normal(0, 0.05, (cfg.n_moe_layers, 8)).astype(
-        np.float32)
+    params["moe_layers"]["router_bias"] = (
+        np.random.default_rng(1).normal(0, 0.05, (cfg.n_moe_layers, 8)).astype(np.float32)
+    )
     m = mesh((2, 2, 2))
     with jax.set_mesh(m):
         p = jax.tree.map(lambda w, s: jax.device_put(w, NamedSharding(m, s)), params, model.param_specs(cfg))
     forwards = [dataclasses.replace(cfg, dispatch="dropless"), cfg, dataclasses.replace(cfg, capacity_factor=8.0)]
     (err, same), (err_dropping, _), (err_roomy, same_roomy) = decode_against_forward(
-        model, cfg, m, p, [1, 9, 4, 6, 2, 9, 3, 5], steps=5, max_len=16, forward_cfgs=forwards)
+        model, cfg, m, p, [1, 9, 4, 6, 2, 9, 3, 5], steps=5, max_len=16, forward_cfgs=forwards
+    )
     assert err < 1e-4 and same, (err, same)
     assert err_dropping > 1e-3, "forward at capacity_factor 0.5 dropped nothing: the test shows nothing"
     assert err_roomy < 1e-4 and same_roomy, (err_roomy, same_roomy)

@@ -79,20 +79,35 @@ class TrainConfig(run.RunConfig, evals.EvalConfig):
         evals.EvalConfig.__post_init__(self)  # the probes' and lm-eval's (shared/evals/__init__.py)
         self.probes.check_fits(self.seq_len)  # every probe fits in a row
         check_fields(self, TRAIN_FIELDS | {"mesh_expert": positive, "bias_rate": at_least(0)})  # (shared/config.py)
-        check(self.batch_size % self.grad_accum == 0, "grad_accum",
-              f"{self.grad_accum} must divide batch_size={self.batch_size}")
-        check(self.warmup_steps == -1 or 0 <= self.warmup_steps < self.steps, "warmup_steps",
-              f"{self.warmup_steps} must be -1 (= min(20, steps // 10)) or in [0, steps={self.steps})")
+        check(
+            self.batch_size % self.grad_accum == 0,
+            "grad_accum",
+            f"{self.grad_accum} must divide batch_size={self.batch_size}",
+        )
+        check(
+            self.warmup_steps == -1 or 0 <= self.warmup_steps < self.steps,
+            "warmup_steps",
+            f"{self.warmup_steps} must be -1 (= min(20, steps // 10)) or in [0, steps={self.steps})",
+        )
         check(self.stop_at <= self.steps, "stop_at", f"{self.stop_at} must be in [0, steps={self.steps}]")
         optim.make_schedule(self.optim, self.lr, self.steps, warmup(self), self.min_lr_ratio)  # WSD decay vs warmup
-        check(self.sample_prompt != "" or self.sample_tokens == 0, "sample_prompt",
-              "is empty: sampling continues a prompt (or set sample_tokens 0)")
-        check(self.profile_steps == "" or run.profile_range(self) is not None, "profile_steps",
-              f"must be A:B with 0 < A <= B <= steps={self.steps}, got {self.profile_steps!r}")
+        check(
+            self.sample_prompt != "" or self.sample_tokens == 0,
+            "sample_prompt",
+            "is empty: sampling continues a prompt (or set sample_tokens 0)",
+        )
+        check(
+            self.profile_steps == "" or run.profile_range(self) is not None,
+            "profile_steps",
+            f"must be A:B with 0 < A <= B <= steps={self.steps}, got {self.profile_steps!r}",
+        )
         why = model.context_refusal(self.model, self.seq_len, self.mesh_context)  # the rows' split (model.py)
         check(why is None or bool(self.init_from), "mesh_context", why)  # init_from: DIR's model, in hf.init_config
-        check(not self.init_from or os.path.isfile(os.path.join(HERE, "hf.py")), "init_from",
-              f"{os.path.basename(HERE)} has no hf.py: no Hugging Face class maps to it (see the README's table)")
+        check(
+            not self.init_from or os.path.isfile(os.path.join(HERE, "hf.py")),
+            "init_from",
+            f"{os.path.basename(HERE)} has no hf.py: no Hugging Face class maps to it (see the README's table)",
+        )
 
 
 # What the contract test (tests/test_contract.py) runs on 8 CPU devices: the CPU default at 32
@@ -110,28 +125,45 @@ FAST_TIER: tuple = ()  # both take longer here
 
 # ---------------------------------------------------------------- mesh, optimizer, steps
 
+
 def make_mesh(cfg: TrainConfig, devices=None):
     """The (data, expert, context, model) mesh. `devices`: the devices to use (default: all of them), or
     a number of devices, for an AbstractMesh that traces a preset at its real scale on a machine
     without them (nothing can run on it)."""
     devices = jax.devices() if devices is None else devices
-    n, ep, cp, tp = ((devices if isinstance(devices, int) else len(devices)), cfg.mesh_expert, cfg.mesh_context,
-                     cfg.mesh_model)
-    check(cfg.mesh_data != -1 or n % (ep * cp * tp) == 0, "mesh_expert" if ep > 1 else "mesh_context" if cp > 1 else
-          "mesh_model", f"mesh_expert {ep} x mesh_context {cp} x mesh_model {tp} = {ep * cp * tp} devices does not "
-          f"divide the {n} devices")
+    n, ep, cp, tp = (
+        (devices if isinstance(devices, int) else len(devices)),
+        cfg.mesh_expert,
+        cfg.mesh_context,
+        cfg.mesh_model,
+    )
+    check(
+        cfg.mesh_data != -1 or n % (ep * cp * tp) == 0,
+        "mesh_expert" if ep > 1 else "mesh_context" if cp > 1 else "mesh_model",
+        f"mesh_expert {ep} x mesh_context {cp} x mesh_model {tp} = {ep * cp * tp} devices does not "
+        f"divide the {n} devices",
+    )
     dp = n // (ep * cp * tp) if cfg.mesh_data == -1 else cfg.mesh_data
-    check(dp * ep * cp * tp == n, "mesh_data",
-          f"mesh {dp} (data) x {ep} (expert) x {cp} (context) x {tp} (model) does not use exactly the {n} devices")
+    check(
+        dp * ep * cp * tp == n,
+        "mesh_data",
+        f"mesh {dp} (data) x {ep} (expert) x {cp} (context) x {tp} (model) does not use exactly the {n} devices",
+    )
     micro = cfg.batch_size // cfg.grad_accum
-    check(micro % (dp * ep) == 0, "batch_size",
-          f"micro-batch batch_size/grad_accum={micro} is not divisible by data x expert = {dp * ep} devices")
+    check(
+        micro % (dp * ep) == 0,
+        "batch_size",
+        f"micro-batch batch_size/grad_accum={micro} is not divisible by data x expert = {dp * ep} devices",
+    )
     m = cfg.model
     check(m.n_experts % ep == 0, "model.n_experts", f"{m.n_experts} is not divisible by mesh_expert={ep}")
     for name, size in model.sharded_dims(m):  # what the `model` axis splits (model.py)
         check(size % tp == 0, f"model.{name}", f"{size} is not divisible by mesh_model={tp}")
-    check(m.d_model % (dp * ep) == 0, "model.d_model",
-          f"{m.d_model} is not divisible by data x expert = {dp * ep} (FSDP shards d_model over both)")
+    check(
+        m.d_model % (dp * ep) == 0,
+        "model.d_model",
+        f"{m.d_model} is not divisible by data x expert = {dp * ep} (FSDP shards d_model over both)",
+    )
     names, types = ("data", "expert", "context", "model"), (AxisType.Explicit,) * 4
     if isinstance(devices, int):
         return AbstractMesh((dp, ep, cp, tp), names, axis_types=types)
@@ -147,9 +179,19 @@ def warmup(cfg: TrainConfig) -> int:
 def make_optimizer(cfg: TrainConfig):
     """(optimizer, schedule): `cfg.optimizer` over the roles of model.weights (shared/optim.py). The router
     bias (role `buffer`) is left alone by the optimizer: `balance_bias` moves it."""
-    return optim.make(model.weights(cfg.model), cfg.optimizer, cfg.optim, lr=cfg.lr, steps=cfg.steps,
-                      warmup=warmup(cfg), min_lr_ratio=cfg.min_lr_ratio, weight_decay=cfg.weight_decay,
-                      b1=cfg.beta1, b2=cfg.beta2, grad_clip=cfg.grad_clip)
+    return optim.make(
+        model.weights(cfg.model),
+        cfg.optimizer,
+        cfg.optim,
+        lr=cfg.lr,
+        steps=cfg.steps,
+        warmup=warmup(cfg),
+        min_lr_ratio=cfg.min_lr_ratio,
+        weight_decay=cfg.weight_decay,
+        b1=cfg.beta1,
+        b2=cfg.beta2,
+        grad_clip=cfg.grad_clip,
+    )
 
 
 def balance_bias(bias, load, rate):
@@ -207,8 +249,11 @@ def make_train_step(cfg: TrainConfig, optimizer, schedule):
         # loop logs every key of `out` as it is
         out = {f"train/{k}": jnp.sum(ms[k] * ms["tokens"]) / total for k in ("loss", "z", "router_z", "balance")}
         out |= {"optim/grad_norm": optax.tree.norm(grads), "optim/learning_rate": schedule(state["step"])}
-        routing = {"dropped": jnp.sum(ms["dropped"]) / jnp.sum(ms["assignments"]), "bias_norm": jnp.linalg.norm(bias),
-                   **load_stats(load)}
+        routing = {
+            "dropped": jnp.sum(ms["dropped"]) / jnp.sum(ms["assignments"]),
+            "bias_norm": jnp.linalg.norm(bias),
+            **load_stats(load),
+        }
         out |= {f"train/{k}": v for k, v in routing.items()}
         return new, out
 
@@ -244,10 +289,16 @@ def to_device(batch: dict, mesh, leading: tuple = ()):
 
 # The metrics shown in each log line and on the progress bar, with their format; every metric is in
 # metrics.jsonl and wandb whether shown or not.
-SHOWN = {"train/loss": ("loss", ".4f"), "eval/loss": ("val", ".4f"),
-         "throughput/tokens_per_second": ("tok/s", ",.0f"), "throughput/mfu": ("MFU", ".1%"),
-         "train/load_min": ("load min", ".2f"), "train/load_max": ("max", ".2f"), "train/load_cv": ("cv", ".3f"),
-         "train/dropped": ("dropped", ".2%")}
+SHOWN = {
+    "train/loss": ("loss", ".4f"),
+    "eval/loss": ("val", ".4f"),
+    "throughput/tokens_per_second": ("tok/s", ",.0f"),
+    "throughput/mfu": ("MFU", ".1%"),
+    "train/load_min": ("load min", ".2f"),
+    "train/load_max": ("max", ".2f"),
+    "train/load_cv": ("cv", ".3f"),
+    "train/dropped": ("dropped", ".2%"),
+}
 
 
 def sample(params, cfg: TrainConfig, corpus, mesh, n_tokens: int, key) -> str:
@@ -257,13 +308,23 @@ def sample(params, cfg: TrainConfig, corpus, mesh, n_tokens: int, key) -> str:
     end-of-text token."""
     prompt = corpus.encode(cfg.sample_prompt)[: cfg.seq_len - 1] or [corpus.eos_id]
     rows = decode.rows_multiple(model, cfg.model, mesh)
-    done = decode.generate(model, params, cfg.model, [prompt] * rows, mesh=mesh, max_new_tokens=n_tokens,
-                           max_len=cfg.seq_len, sampling=decode.Sampling(temperature=0.8), key=key,
-                           eos_id=corpus.eos_id)
+    done = decode.generate(
+        model,
+        params,
+        cfg.model,
+        [prompt] * rows,
+        mesh=mesh,
+        max_new_tokens=n_tokens,
+        max_len=cfg.seq_len,
+        sampling=decode.Sampling(temperature=0.8),
+        key=key,
+        eos_id=corpus.eos_id,
+    )
     return corpus.decode(prompt + done[0].tokens)
 
 
 # ---------------------------------------------------------------- the loop
+
 
 def main(cfg: TrainConfig) -> dict:
     if cfg.init_from:  # hf:DIR: the architecture and the tokenizer of a Hugging Face model (hf.py in this folder)
@@ -271,7 +332,10 @@ def main(cfg: TrainConfig) -> dict:
     mesh = make_mesh(cfg)  # validates mesh/batch/width divisibility before anything is compiled
     optimizer, schedule = make_optimizer(cfg)
     evaluator = evals.Evaluator(cfg, model, mesh)  # probes and lm-eval tasks on the eval cadence, if asked for
-    with run.Run(cfg, HERE, mesh, evaluator) as r, jax.set_mesh(mesh):  # run dir, lock, resume checks, data (shared/run.py)
+    with (
+        run.Run(cfg, HERE, mesh, evaluator) as r,
+        jax.set_mesh(mesh),
+    ):  # run dir, lock, resume checks, data (shared/run.py)
         key = jax.random.key(cfg.seed)
         if r.checkpoint:  # resuming: the checkpoint's state, and the data where it was
             state = r.restore(jax.eval_shape(lambda k: init_state(cfg, optimizer, k), key))
@@ -281,13 +345,19 @@ def main(cfg: TrainConfig) -> dict:
         else:
             state = jax.jit(lambda k: init_state(cfg, optimizer, k))(key)
         train_step, eval_step = make_train_step(cfg, optimizer, schedule), make_eval_step(cfg)
-        r.begin(model.num_params(cfg.model), model.flops_per_token(cfg.model, cfg.seq_len), schedule)  # logger, saver, ...
+        r.begin(
+            model.num_params(cfg.model), model.flops_per_token(cfg.model, cfg.seq_len), schedule
+        )  # logger, saver, ...
         platform = jax.default_backend()
         rows = cfg.batch_size // cfg.grad_accum // (mesh.shape["data"] * mesh.shape["expert"])
         waste = model.expert_flops_ratio(cfg.model, rows * cfg.seq_len, platform, ep=cfg.mesh_expert)
-        how = cfg.model.dispatch + ("" if cfg.model.dispatch == "capacity" else f", {model.expert_matmul(cfg.model, platform)}")
-        r.write(f"routed experts execute {waste:.2f}x their active FLOPs on {platform} ({how}); "
-                "MFU counts active FLOPs only (variants/moe_hero/README.md, 'On CPU')")
+        how = cfg.model.dispatch + (
+            "" if cfg.model.dispatch == "capacity" else f", {model.expert_matmul(cfg.model, platform)}"
+        )
+        r.write(
+            f"routed experts execute {waste:.2f}x their active FLOPs on {platform} ({how}); "
+            "MFU counts active FLOPs only (variants/moe_hero/README.md, 'On CPU')"
+        )
 
         for step in r.steps():
             batch = to_device(r.loader.next(), mesh, (cfg.grad_accum,))
@@ -305,8 +375,12 @@ def main(cfg: TrainConfig) -> dict:
             if due.save:
                 r.save(step, state)  # asynchronous: the loop waits for the host copy only
             if due.sample:  # every process takes part, one prints
-                r.show_sample(step, lambda: sample(state["params"], cfg, r.corpus, mesh, cfg.sample_tokens,
-                                                   jax.random.key(cfg.seed + 1)))
+                r.show_sample(
+                    step,
+                    lambda: sample(
+                        state["params"], cfg, r.corpus, mesh, cfg.sample_tokens, jax.random.key(cfg.seed + 1)
+                    ),
+                )
             if due.stop:
                 r.preempted(step)  # a stop signal: waits for the save, raises run.Preempted (exit 75)
         return r.finish(state)

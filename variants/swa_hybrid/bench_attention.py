@@ -50,18 +50,29 @@ def main():
     ap.add_argument("--repeats", type=int, default=2)
     a = ap.parse_args()
     B, H, Hkv, D, W = a.batch, a.heads, a.kv_heads, a.head_dim, a.window
-    print(f"reference attention fwd+bwd, fp32, B={B} H={H} Hkv={Hkv} head_dim={D}, window={W}, "
-          f"{jax.devices()[0].platform} x{jax.local_device_count()}")
-    print(f"{'T':>6} | {'window ms':>10} {'window MiB':>11} | {'full ms':>10} {'full MiB':>10} | {'time x':>7} {'mem x':>6}")
+    print(
+        f"reference attention fwd+bwd, fp32, B={B} H={H} Hkv={Hkv} head_dim={D}, window={W}, "
+        f"{jax.devices()[0].platform} x{jax.local_device_count()}"
+    )
+    print(
+        f"{'T':>6} | {'window ms':>10} {'window MiB':>11} | {'full ms':>10} {'full MiB':>10} | {'time x':>7} {'mem x':>6}"
+    )
     key = jax.random.key(0)
     for T in a.seq:
         kq, kk, kv, kc = jax.random.split(jax.random.fold_in(key, T), 4)
-        args = (jax.random.normal(kq, (B, T, H, D)), jax.random.normal(kk, (B, T, Hkv, D)),
-                jax.random.normal(kv, (B, T, Hkv, D)), jax.random.normal(kc, (B, T, H, D)))
+        args = (
+            jax.random.normal(kq, (B, T, H, D)),
+            jax.random.normal(kk, (B, T, Hkv, D)),
+            jax.random.normal(kv, (B, T, Hkv, D)),
+            jax.random.normal(kc, (B, T, H, D)),
+        )
         tw, mw = measure(fwd_bwd(W), args, a.repeats)
         tf, mf = measure(fwd_bwd(None), args, a.repeats)
-        print(f"{T:>6} | {tw * 1e3:>10.1f} {mw / 2**20:>11.1f} | {tf * 1e3:>10.1f} {mf / 2**20:>10.1f} | "
-              f"{tf / tw:>7.1f} {mf / mw:>6.1f}", flush=True)
+        print(
+            f"{T:>6} | {tw * 1e3:>10.1f} {mw / 2**20:>11.1f} | {tf * 1e3:>10.1f} {mf / 2**20:>10.1f} | "
+            f"{tf / tw:>7.1f} {mf / mw:>6.1f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

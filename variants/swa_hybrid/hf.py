@@ -68,12 +68,19 @@ def tensor_map(cfg) -> list[tuple]:
     """(Hugging Face name, stencil leaf path, layer index or None, transposed) for every tensor;
     export and import both read this table, so they cannot disagree."""
     rows = [("model.embed_tokens.weight", ("embed",), None, False)]
-    layer = [("input_layernorm.weight", "attn_norm", False), ("self_attn.q_proj.weight", "wq", True),
-             ("self_attn.k_proj.weight", "wk", True), ("self_attn.v_proj.weight", "wv", True),
-             ("self_attn.q_norm.weight", "q_norm", False), ("self_attn.k_norm.weight", "k_norm", False),
-             ("self_attn.o_proj.weight", "wo", True), ("post_attention_layernorm.weight", "mlp_norm", False),
-             ("mlp.gate_proj.weight", "w_gate", True), ("mlp.up_proj.weight", "w_up", True),
-             ("mlp.down_proj.weight", "w_down", True)]
+    layer = [
+        ("input_layernorm.weight", "attn_norm", False),
+        ("self_attn.q_proj.weight", "wq", True),
+        ("self_attn.k_proj.weight", "wk", True),
+        ("self_attn.v_proj.weight", "wv", True),
+        ("self_attn.q_norm.weight", "q_norm", False),
+        ("self_attn.k_norm.weight", "k_norm", False),
+        ("self_attn.o_proj.weight", "wo", True),
+        ("post_attention_layernorm.weight", "mlp_norm", False),
+        ("mlp.gate_proj.weight", "w_gate", True),
+        ("mlp.up_proj.weight", "w_up", True),
+        ("mlp.down_proj.weight", "w_down", True),
+    ]
     for i in range(cfg.n_layers):
         rows += [(f"model.layers.{i}.{name}", ("layers", leaf), i, t) for name, leaf, t in layer]
     rows.append(("model.norm.weight", ("final_norm",), None, False))
@@ -84,32 +91,51 @@ def tensor_map(cfg) -> list[tuple]:
 
 # ---------------------------------------------------------------- export
 
+
 def check_exportable(cfg) -> None:
     """Refuse, naming the field, an option Qwen3ForCausalLM cannot compute."""
     refuse(cfg.qk_norm, "model.qk_norm", "false has no Qwen3 counterpart (Qwen3 always applies q_norm and k_norm)")
     refuse(cfg.attn_softcap == 0, "model.attn_softcap", f"{cfg.attn_softcap}: Qwen3 has no attention soft-capping")
-    refuse(cfg.global_rope == "rope", "model.global_rope", f"{cfg.global_rope!r} (NoPE global layers): Qwen3 applies "
-           "RoPE in every layer")
-    refuse(cfg.local_rope_theta == cfg.global_rope_theta, "model.global_rope_theta",
-           f"{cfg.global_rope_theta} differs from model.local_rope_theta={cfg.local_rope_theta}: Qwen3 has one "
-           "rope_theta for every layer")
+    refuse(
+        cfg.global_rope == "rope",
+        "model.global_rope",
+        f"{cfg.global_rope!r} (NoPE global layers): Qwen3 applies RoPE in every layer",
+    )
+    refuse(
+        cfg.local_rope_theta == cfg.global_rope_theta,
+        "model.global_rope_theta",
+        f"{cfg.global_rope_theta} differs from model.local_rope_theta={cfg.local_rope_theta}: Qwen3 has one "
+        "rope_theta for every layer",
+    )
 
 
 def hf_config(cfg, dtype: str, max_length: int) -> dict:
     """config.json for Qwen3ForCausalLM, after check_exportable."""
     check_exportable(cfg)
     return {
-        "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "dtype": dtype,
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
-        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+        "architectures": [ARCHITECTURE],
+        "model_type": MODEL_TYPE,
+        "dtype": dtype,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
         "rms_norm_eps": cfg.norm_eps,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.local_rope_theta},
         "rope_theta": cfg.local_rope_theta,  # the same, for readers on transformers 4 (rope_parameters is 5's form)
-        "use_sliding_window": True, "sliding_window": cfg.window, "max_window_layers": cfg.n_layers,
+        "use_sliding_window": True,
+        "sliding_window": cfg.window,
+        "max_window_layers": cfg.n_layers,
         "layer_types": ["full_attention" if g else "sliding_attention" for g in model.global_layers(cfg)],
-        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False,
-        "attention_dropout": 0.0, "max_position_embeddings": max_length, "initializer_range": cfg.init_std,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "max_position_embeddings": max_length,
+        "initializer_range": cfg.init_std,
         "use_cache": True,
     }
 
@@ -118,10 +144,18 @@ def export_tensors(cfg, leaves, dtype: np.dtype) -> list[hfio.Tensor]:
     """The Hugging Face tensors, each read (one layer of one leaf) only when it is written. Refuses params
     with a leaf the table does not map (a copy of this file next to a model that gained a weight)."""
     mapped = {path for _, path, _, _ in tensor_map(cfg)} | {("layers", "head_gate")}  # folded into o_proj
-    paths = {tuple(k.key for k in p) for p, _ in jax.tree_util.tree_flatten_with_path(
-        model.param_shapes(cfg), is_leaf=lambda s: isinstance(s, tuple))[0]}
-    refuse(paths <= mapped, "hf.py", f"{VARIANT}'s params have leaves this file does not map: "
-           f"{sorted('.'.join(p) for p in paths - mapped)}; edit tensor_map (and check the math) with the model")
+    paths = {
+        tuple(k.key for k in p)
+        for p, _ in jax.tree_util.tree_flatten_with_path(
+            model.param_shapes(cfg), is_leaf=lambda s: isinstance(s, tuple)
+        )[0]
+    }
+    refuse(
+        paths <= mapped,
+        "hf.py",
+        f"{VARIANT}'s params have leaves this file does not map: "
+        f"{sorted('.'.join(p) for p in paths - mapped)}; edit tensor_map (and check the math) with the model",
+    )
     out = []
     for name, path, layer, transposed in tensor_map(cfg):
         shape = leaves.shape(path)[1:] if layer is not None else leaves.shape(path)
@@ -144,76 +178,137 @@ def _dtype(name: str | None, cfg) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
-def export_params(params, cfg, out: str, tokenizer: str, *, max_length: int, dtype: str | None = None,
-                  max_shard_size: str = "5GB", progress: bool = True) -> str:
+def export_params(
+    params,
+    cfg,
+    out: str,
+    tokenizer: str,
+    *,
+    max_length: int,
+    dtype: str | None = None,
+    max_shard_size: str = "5GB",
+    progress: bool = True,
+) -> str:
     """Params in memory (any mesh) -> a Hugging Face directory at `out`, with the tokenizer file `tokenizer`."""
     check_exportable(cfg)
     leaves = hfio.ParamLeaves(params)
     dt = _dtype(dtype, cfg)
-    return hfio.write_model_dir(out, hf_config(cfg, np.dtype(dt).name, max_length), export_tensors(cfg, leaves, dt),
-                                tokenizer, max_length=max_length, max_shard_bytes=hfio.parse_size(max_shard_size),
-                                progress=progress)
+    return hfio.write_model_dir(
+        out,
+        hf_config(cfg, np.dtype(dt).name, max_length),
+        export_tensors(cfg, leaves, dt),
+        tokenizer,
+        max_length=max_length,
+        max_shard_bytes=hfio.parse_size(max_shard_size),
+        progress=progress,
+    )
 
 
-def export(run_dir: str, out: str, *, step: int | None = None, dtype: str | None = None, tokenizer: str = "",
-           max_shard_size: str = "5GB", progress: bool = True) -> str:
+def export(
+    run_dir: str,
+    out: str,
+    *,
+    step: int | None = None,
+    dtype: str | None = None,
+    tokenizer: str = "",
+    max_shard_size: str = "5GB",
+    progress: bool = True,
+) -> str:
     """A run's checkpoint (the newest, or `step`) -> a Hugging Face directory at `out`, leaf by leaf."""
     leaves = hfio.CheckpointLeaves(run_dir, step)
     saved = leaves.meta.get("config", {})
     try:
         cfg = model.ModelConfig(**saved["model"])
     except (KeyError, TypeError, model.ConfigError) as e:
-        raise HFError(f"{leaves.path}: its model config does not fit this variant's ModelConfig "
-                      f"({type(e).__name__}: {e}); export it with the variant that wrote it") from e
+        raise HFError(
+            f"{leaves.path}: its model config does not fit this variant's ModelConfig "
+            f"({type(e).__name__}: {e}); export it with the variant that wrote it"
+        ) from e
     if leaves.meta.get("variant", VARIANT) != VARIANT:
-        raise HFError(f"{leaves.path} was written by variant {leaves.meta['variant']!r}; use "
-                      f"variants/{leaves.meta['variant']}/hf.py")
+        raise HFError(
+            f"{leaves.path} was written by variant {leaves.meta['variant']!r}; use "
+            f"variants/{leaves.meta['variant']}/hf.py"
+        )
     tokenizer = tokenizer or os.path.join(run_dir, "tokenizer.json")
     if not os.path.isfile(tokenizer):
-        raise HFError(f"{tokenizer} does not exist (a run on pre-tokenized data has none): pass --tokenizer, "
-                      "the tokenizer.json whose ids the run was trained on")
+        raise HFError(
+            f"{tokenizer} does not exist (a run on pre-tokenized data has none): pass --tokenizer, "
+            "the tokenizer.json whose ids the run was trained on"
+        )
     check_exportable(cfg)
     dt = _dtype(dtype, cfg)
-    return hfio.write_model_dir(out, hf_config(cfg, np.dtype(dt).name, int(saved.get("seq_len", 2048))),
-                                export_tensors(cfg, leaves, dt), tokenizer,
-                                max_length=int(saved.get("seq_len", 2048)),
-                                max_shard_bytes=hfio.parse_size(max_shard_size), progress=progress)
+    return hfio.write_model_dir(
+        out,
+        hf_config(cfg, np.dtype(dt).name, int(saved.get("seq_len", 2048))),
+        export_tensors(cfg, leaves, dt),
+        tokenizer,
+        max_length=int(saved.get("seq_len", 2048)),
+        max_shard_bytes=hfio.parse_size(max_shard_size),
+        progress=progress,
+    )
 
 
 # ---------------------------------------------------------------- import
+
 
 def model_config(hf: dict, base=None):
     """The ModelConfig of a Qwen3ForCausalLM config.json; `base` gives the fields Hugging Face does not
     describe (dtypes, remat, attention backends, z_loss, init_std). Refuses what swa_hybrid cannot compute."""
     base = base or model.ModelConfig()
     hfio.check_architecture(hf, ARCHITECTURE, MODEL_TYPE)
-    refuse(hf.get("hidden_act", "silu") == "silu", "hidden_act", f"{hf.get('hidden_act')!r}: swa_hybrid's MLP is SwiGLU "
-           "(silu)")
+    refuse(
+        hf.get("hidden_act", "silu") == "silu",
+        "hidden_act",
+        f"{hf.get('hidden_act')!r}: swa_hybrid's MLP is SwiGLU (silu)",
+    )
     refuse(not hf.get("attention_bias", False), "attention_bias", "swa_hybrid has no biases")
     refuse(not hf.get("attention_dropout", 0.0), "attention_dropout", "swa_hybrid has no dropout")
     n_layers = int(hf["num_hidden_layers"])
     sliding = int(hf["sliding_window"]) if hf.get("use_sliding_window") and hf.get("sliding_window") else None
-    kinds = hf.get("layer_types") or ["sliding_attention" if sliding and i >= int(hf.get("max_window_layers", 28))
-                                      else "full_attention" for i in range(n_layers)]
-    refuse(len(kinds) == n_layers and set(kinds) <= {"sliding_attention", "full_attention"}, "layer_types",
-           f"{kinds}: one of sliding_attention / full_attention per layer is needed")
-    refuse(sliding or "sliding_attention" not in kinds, "use_sliding_window",
-           "layer_types has sliding layers but use_sliding_window is false or sliding_window is null (transformers "
-           "then runs them as full attention); set both, or layer_types to full_attention")
+    kinds = hf.get("layer_types") or [
+        "sliding_attention" if sliding and i >= int(hf.get("max_window_layers", 28)) else "full_attention"
+        for i in range(n_layers)
+    ]
+    refuse(
+        len(kinds) == n_layers and set(kinds) <= {"sliding_attention", "full_attention"},
+        "layer_types",
+        f"{kinds}: one of sliding_attention / full_attention per layer is needed",
+    )
+    refuse(
+        sliding or "sliding_attention" not in kinds,
+        "use_sliding_window",
+        "layer_types has sliding layers but use_sliding_window is false or sliding_window is null (transformers "
+        "then runs them as full attention); set both, or layer_types to full_attention",
+    )
     pattern = [k == "full_attention" for k in kinds]
-    every = [g for g in range(1, n_layers + 1) if [(i + 1) % g == 0 or i == n_layers - 1 for i in range(n_layers)]
-             == pattern]
-    refuse(bool(every), "layer_types", f"{kinds}: swa_hybrid's layer i is full iff (i+1) % global_every == 0 or it "
-           "is the last layer, which no global_every gives")
+    every = [
+        g for g in range(1, n_layers + 1) if [(i + 1) % g == 0 or i == n_layers - 1 for i in range(n_layers)] == pattern
+    ]
+    refuse(
+        bool(every),
+        "layer_types",
+        f"{kinds}: swa_hybrid's layer i is full iff (i+1) % global_every == 0 or it "
+        "is the last layer, which no global_every gives",
+    )
     heads = int(hf["num_attention_heads"])
     fields = {
-        "vocab_size": int(hf["vocab_size"]), "d_model": int(hf["hidden_size"]), "n_layers": int(hf["num_hidden_layers"]),
-        "n_heads": heads, "n_kv_heads": int(hf.get("num_key_value_heads") or heads),
-        "head_dim": int(hf.get("head_dim") or int(hf["hidden_size"]) // heads), "d_ff": int(hf["intermediate_size"]),
-        "local_rope_theta": hfio.rope_theta(hf, 10000.0), "global_rope_theta": hfio.rope_theta(hf, 10000.0),
-        "global_rope": "rope", "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "qk_norm": True, "attn_softcap": 0.0,
-        "head_gate": False, "global_every": every[0], "window": sliding or base.window,
+        "vocab_size": int(hf["vocab_size"]),
+        "d_model": int(hf["hidden_size"]),
+        "n_layers": int(hf["num_hidden_layers"]),
+        "n_heads": heads,
+        "n_kv_heads": int(hf.get("num_key_value_heads") or heads),
+        "head_dim": int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+        "d_ff": int(hf["intermediate_size"]),
+        "local_rope_theta": hfio.rope_theta(hf, 10000.0),
+        "global_rope_theta": hfio.rope_theta(hf, 10000.0),
+        "global_rope": "rope",
+        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "qk_norm": True,
+        "attn_softcap": 0.0,
+        "head_gate": False,
+        "global_every": every[0],
+        "window": sliding or base.window,
     }
     try:
         return dataclasses.replace(base, **fields)
@@ -225,13 +320,19 @@ def read_params(hf_dir: str, cfg, place=None) -> dict:
     """The params of a Hugging Face directory in cfg.param_dtype, one leaf at a time: host arrays, or
     what `place(host leaf, leaf path)` makes of each (import_params: a sharded jax.Array)."""
     tensors = hfio.Safetensors(hf_dir)
-    shapes, dtype = model.param_shapes(cfg), np.dtype(ml_dtypes.bfloat16 if cfg.param_dtype == "bfloat16" else "float32")
+    shapes, dtype = (
+        model.param_shapes(cfg),
+        np.dtype(ml_dtypes.bfloat16 if cfg.param_dtype == "bfloat16" else "float32"),
+    )
     rows = tensor_map(cfg)
     used = {name for name, *_ in rows}
     ignored = {"lm_head.weight"} if cfg.tie_embeddings else set()  # a tied model may save it; transformers ignores it
     extra = [n for n in tensors.names() if n not in used and n not in ignored and not n.endswith("rotary_emb.inv_freq")]
-    refuse(not extra, extra[0] if extra else "", "a tensor swa_hybrid has no place for (a bias, another layer type); "
-           f"{len(extra)} such tensors")
+    refuse(
+        not extra,
+        extra[0] if extra else "",
+        f"a tensor swa_hybrid has no place for (a bias, another layer type); {len(extra)} such tensors",
+    )
     by_leaf = {}
     for name, path, layer, transposed in rows:
         by_leaf.setdefault(path, []).append((name, layer, transposed))
@@ -247,8 +348,12 @@ def read_params(hf_dir: str, cfg, place=None) -> dict:
             a = tensors.get(name)
             a = a.T if transposed else a
             want = shape[1:] if layer is not None else shape
-            refuse(a.shape == tuple(want), name, f"shape {list(tensors.shape(name))} does not fit config.json "
-                   f"(stencil leaf {'.'.join(path)} {list(shape)})")
+            refuse(
+                a.shape == tuple(want),
+                name,
+                f"shape {list(tensors.shape(name))} does not fit config.json "
+                f"(stencil leaf {'.'.join(path)} {list(shape)})",
+            )
             pieces.append(np.asarray(a, dtype=dtype))
         leaf = np.stack(pieces) if parts[0][1] is not None else pieces[0]
         d = params
@@ -282,7 +387,7 @@ def init_config(cfg):
     """train.py's `--init_from hf:DIR`: the TrainConfig with DIR's architecture (the fields config.json
     describes; the others as given) and DIR's tokenizer (unless --data.tokenizer names one). What
     cannot be imported raises model.ConfigError naming init_from and the Hugging Face field."""
-    d = cfg.init_from[len("hf:"):]
+    d = cfg.init_from[len("hf:") :]
     try:
         m = model_config(hfio.read_config(d), cfg.model)
         tok = cfg.data.tokenizer or hfio.hf_tokenizer(d)
@@ -297,16 +402,20 @@ def init_config(cfg):
 def init_params(cfg):
     """train.py's `--init_from hf:DIR`: DIR's params on the current mesh (errors as model.ConfigError)."""
     try:
-        return import_params(cfg.init_from[len("hf:"):], cfg.model)
+        return import_params(cfg.init_from[len("hf:") :], cfg.model)
     except HFError as e:
         raise model.ConfigError(f"init_from: {e}") from e
 
 
 # ---------------------------------------------------------------- command line
 
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog=f"variants/{VARIANT}/hf.py", description="\n\n".join(__doc__.split("\n\n")[:2]),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=f"variants/{VARIANT}/hf.py",
+        description="\n\n".join(__doc__.split("\n\n")[:2]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("export", help="a run's checkpoint -> a Hugging Face model directory")
     e.add_argument("--run_dir", required=True, help="the run directory (its checkpoints/ and tokenizer.json)")
@@ -315,28 +424,40 @@ def main(argv=None) -> int:
     e.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: the checkpoint's param_dtype)")
     e.add_argument("--tokenizer", default="", help="tokenizer.json (default: the run's own)")
     e.add_argument("--max_shard_size", default="5GB", help="largest safetensors shard (default 5GB)")
-    i = sub.add_parser("import", help="check a Hugging Face directory; print its config as train.py flags; "
-                                      "with --out write it as a stencil checkpoint")
+    i = sub.add_parser(
+        "import",
+        help="check a Hugging Face directory; print its config as train.py flags; "
+        "with --out write it as a stencil checkpoint",
+    )
     i.add_argument("--hf_dir", required=True, help="a local Hugging Face model directory (config.json, safetensors)")
-    i.add_argument("--out", default="", help="a new run directory: checkpoints/step_00000000 (params only) and "
-                                             "tokenizer.json. To train from the weights use train.py --init_from hf:DIR")
+    i.add_argument(
+        "--out",
+        default="",
+        help="a new run directory: checkpoints/step_00000000 (params only) and "
+        "tokenizer.json. To train from the weights use train.py --init_from hf:DIR",
+    )
     a = p.parse_args(argv)
     try:
         if a.cmd == "export":
-            out = export(a.run_dir, a.out, step=a.step, dtype=a.dtype, tokenizer=a.tokenizer,
-                         max_shard_size=a.max_shard_size)
+            out = export(
+                a.run_dir, a.out, step=a.step, dtype=a.dtype, tokenizer=a.tokenizer, max_shard_size=a.max_shard_size
+            )
             print(f"wrote {out} ({ARCHITECTURE})")
             return 0
         cfg = model_config(hfio.read_config(a.hf_dir))
-        flags = " ".join(f"--model.{k} {v}" for k, v in dataclasses.asdict(cfg).items()
-                         if v != getattr(model.ModelConfig(), k))
-        print(f"{a.hf_dir}: {ARCHITECTURE} -> {VARIANT}, {model.num_params(cfg) / 1e6:.2f}M params\n"
-              f"flags: {flags or '(the defaults)'}")
+        flags = " ".join(
+            f"--model.{k} {v}" for k, v in dataclasses.asdict(cfg).items() if v != getattr(model.ModelConfig(), k)
+        )
+        print(
+            f"{a.hf_dir}: {ARCHITECTURE} -> {VARIANT}, {model.num_params(cfg) / 1e6:.2f}M params\n"
+            f"flags: {flags or '(the defaults)'}"
+        )
         if a.out:
             if os.path.exists(a.out):
                 raise HFError(f"--out {a.out} exists; choose a new directory")
-            mesh = jax.make_mesh((1, 1), ("data", "model"), axis_types=(AxisType.Explicit,) * 2,
-                                 devices=jax.devices()[:1])
+            mesh = jax.make_mesh(
+                (1, 1), ("data", "model"), axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[:1]
+            )
             with jax.set_mesh(mesh):
                 params = import_params(a.hf_dir, cfg)
                 meta = {"config": {"model": dataclasses.asdict(cfg)}, "variant": VARIANT, "imported_from": a.hf_dir}

@@ -82,19 +82,26 @@ class ModelConfig:
         check_types(self, "model.")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"):
             check(getattr(self, name) > 0, f"model.{name}", f"must be positive, got {getattr(self, name)}")
-        check(self.n_heads % self.n_kv_heads == 0, "model.n_heads",
-              f"{self.n_heads} is not a multiple of model.n_kv_heads={self.n_kv_heads}")
+        check(
+            self.n_heads % self.n_kv_heads == 0,
+            "model.n_heads",
+            f"{self.n_heads} is not a multiple of model.n_kv_heads={self.n_kv_heads}",
+        )
         check(self.head_dim % 2 == 0, "model.head_dim", f"RoPE needs an even head_dim, got {self.head_dim}")
         for name in ("param_dtype", "compute_dtype"):
-            check(getattr(self, name) in ("float32", "bfloat16"), f"model.{name}",
-                  f"must be float32 or bfloat16, got {getattr(self, name)!r}")
+            check(
+                getattr(self, name) in ("float32", "bfloat16"),
+                f"model.{name}",
+                f"must be float32 or bfloat16, got {getattr(self, name)!r}",
+            )
         check(self.remat in ("none", "dots", "full"), "model.remat", f"must be none, dots or full, got {self.remat!r}")
         check(self.z_loss >= 0, "model.z_loss", f"must be >= 0, got {self.z_loss}")
         check(self.init_std > 0, "model.init_std", f"must be positive, got {self.init_std}")
         check(self.window > 0, "model.window", f"must be positive, got {self.window}")
         check(self.global_every > 0, "model.global_every", f"must be positive, got {self.global_every}")
-        check(self.global_rope in ("rope", "none"), "model.global_rope",
-              f"must be rope or none, got {self.global_rope!r}")
+        check(
+            self.global_rope in ("rope", "none"), "model.global_rope", f"must be rope or none, got {self.global_rope!r}"
+        )
         for name in ("local_rope_theta", "global_rope_theta"):
             check(getattr(self, name) > 0, f"model.{name}", f"must be positive, got {getattr(self, name)}")
         check(self.attn_softcap >= 0, "model.attn_softcap", f"must be >= 0 (0 = off), got {self.attn_softcap}")
@@ -105,8 +112,11 @@ class ModelConfig:
         check(why is None, "model.attention_backend", f"{self.attention_backend!r} cannot run the global layers: {why}")
         local, inherited = local_backend(self), "" if self.local_attention_backend else " (from attention_backend)"
         why = kernels.refusal("attention", local, attention_call(self, self.window))
-        check(why is None, "model.local_attention_backend",
-              f"{local!r}{inherited} cannot run the sliding-window layers: {why}")
+        check(
+            why is None,
+            "model.local_attention_backend",
+            f"{local!r}{inherited} cannot run the sliding-window layers: {why}",
+        )
 
 
 def global_layers(cfg: ModelConfig) -> list[bool]:
@@ -125,11 +135,19 @@ def attention_call(cfg: ModelConfig, window: int | None) -> kernels.AttentionCal
     a row of 2 * window tokens (longer than the window) without documents. The row length, the
     documents and the sharding are checked again when the layer is traced."""
     T = 2 * cfg.window
-    return kernels.AttentionCall((1, T, cfg.n_heads, cfg.head_dim), (1, T, cfg.n_kv_heads, cfg.head_dim),
-                                 jnp.dtype(cfg.compute_dtype), True, window, False, cfg.attn_softcap)
+    return kernels.AttentionCall(
+        (1, T, cfg.n_heads, cfg.head_dim),
+        (1, T, cfg.n_kv_heads, cfg.head_dim),
+        jnp.dtype(cfg.compute_dtype),
+        True,
+        window,
+        False,
+        cfg.attn_softcap,
+    )
 
 
 # ---------------------------------------------------------------- parameters
+
 
 def weights(cfg: ModelConfig) -> dict:
     """Every weight, declared once: shape, PartitionSpec, role, init, and for matrices the fan-in and
@@ -156,8 +174,10 @@ def weights(cfg: ModelConfig) -> dict:
         "final_norm": Weight((D,), P(None), "norm", ones),
     }
     if cfg.qk_norm:
-        decl["layers"] |= {"q_norm": Weight((L, cfg.head_dim), rep, "norm", ones),
-                           "k_norm": Weight((L, cfg.head_dim), rep, "norm", ones)}
+        decl["layers"] |= {
+            "q_norm": Weight((L, cfg.head_dim), rep, "norm", ones),
+            "k_norm": Weight((L, cfg.head_dim), rep, "norm", ones),
+        }
     if cfg.head_gate:  # heads, as in wq's columns; 2 * sigmoid(0) = 1: the gate starts as the identity
         decl["layers"]["head_gate"] = Weight((L, cfg.n_heads), P(None, "model"), "gain", zeros)
     if not cfg.tie_embeddings:
@@ -208,12 +228,15 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     per_layer = D * q + 2 * D * kv + q * D + 3 * D * F
     matmuls = L * per_layer + D * cfg.vocab_size  # + unembedding
-    attn = sum(flops.attention_flops_per_token(seq_len, cfg.n_heads, cfg.head_dim, window=None if g else cfg.window)
-               for g in global_layers(cfg))
+    attn = sum(
+        flops.attention_flops_per_token(seq_len, cfg.n_heads, cfg.head_dim, window=None if g else cfg.window)
+        for g in global_layers(cfg)
+    )
     return flops.matmul_flops_per_token(matmuls) + attn
 
 
 # ---------------------------------------------------------------- the network
+
 
 def rms_norm(x, w, eps):
     """RMSNorm over the last axis, fp32 statistics (shared/kernels/rms_norm.py: XLA, or QuACK on GPU)."""
@@ -241,8 +264,10 @@ def rope_angles(pos, head_dim, theta):
 
 def layer_angles(pos, cfg: ModelConfig) -> dict:
     """The RoPE tables of the local and the global layers, made once per forward pass."""
-    return {"local": rope_angles(pos, cfg.head_dim, cfg.local_rope_theta),
-            "global": rope_angles(pos, cfg.head_dim, cfg.global_rope_theta)}
+    return {
+        "local": rope_angles(pos, cfg.head_dim, cfg.local_rope_theta),
+        "global": rope_angles(pos, cfg.head_dim, cfg.global_rope_theta),
+    }
 
 
 def rope(x, angles):
@@ -273,14 +298,30 @@ def attend(q, k, v, angles, segment_ids, is_global, cfg: ModelConfig):
 
     def local(q, k, v):
         q, k = rope(q, angles["local"]), rope(k, angles["local"])
-        return context.attention(q, k, v, segment_ids=segment_ids, causal=True, window=cfg.window,
-                                 softcap=cfg.attn_softcap, backend=local_backend(cfg)), k
+        return context.attention(
+            q,
+            k,
+            v,
+            segment_ids=segment_ids,
+            causal=True,
+            window=cfg.window,
+            softcap=cfg.attn_softcap,
+            backend=local_backend(cfg),
+        ), k
 
     def global_(q, k, v):
         if cfg.global_rope == "rope":
             q, k = rope(q, angles["global"]), rope(k, angles["global"])
-        return context.attention(q, k, v, segment_ids=segment_ids, causal=True, window=None,
-                                 softcap=cfg.attn_softcap, backend=cfg.attention_backend), k
+        return context.attention(
+            q,
+            k,
+            v,
+            segment_ids=segment_ids,
+            causal=True,
+            window=None,
+            softcap=cfg.attn_softcap,
+            backend=cfg.attention_backend,
+        ), k
 
     return jax.lax.cond(is_global, global_, local, q, k, v)
 
@@ -297,9 +338,15 @@ def block(x, layer, angles, segment_ids, is_global, cfg: ModelConfig, cache=None
 
     with jax.named_scope("attention"):
         h = rms_norm(x, layer["attn_norm"], cfg.norm_eps)
-        q = jnp.einsum("btd,dq->btq", h, gather(layer["wq"], col, dt)).reshape(B, T, cfg.n_heads, cfg.head_dim, out_sharding=heads)
-        k = jnp.einsum("btd,dk->btk", h, gather(layer["wk"], col, dt)).reshape(B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads)
-        v = jnp.einsum("btd,dk->btk", h, gather(layer["wv"], col, dt)).reshape(B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads)
+        q = jnp.einsum("btd,dq->btq", h, gather(layer["wq"], col, dt)).reshape(
+            B, T, cfg.n_heads, cfg.head_dim, out_sharding=heads
+        )
+        k = jnp.einsum("btd,dk->btk", h, gather(layer["wk"], col, dt)).reshape(
+            B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads
+        )
+        v = jnp.einsum("btd,dk->btk", h, gather(layer["wv"], col, dt)).reshape(
+            B, T, cfg.n_kv_heads, cfg.head_dim, out_sharding=heads
+        )
         if cfg.qk_norm:  # per-head RMSNorm over head_dim, one learned scale vector per layer
             q, k = rms_norm(q, layer["q_norm"], cfg.norm_eps), rms_norm(k, layer["k_norm"], cfg.norm_eps)
         if cache is None:
@@ -309,7 +356,10 @@ def block(x, layer, angles, segment_ids, is_global, cfg: ModelConfig, cache=None
             rotary = "global" if is_global else "local"
             if rotary == "local" or cfg.global_rope == "rope":
                 q, k = rope(q, angles[rotary]), rope(k, angles[rotary])
-            kv = {n: jax.lax.dynamic_update_slice_in_dim(cache[n], new, cache["slot"], axis=1) for n, new in (("k", k), ("v", v))}
+            kv = {
+                n: jax.lax.dynamic_update_slice_in_dim(cache[n], new, cache["slot"], axis=1)
+                for n, new in (("k", k), ("v", v))
+            }
             o = attend_cache(q, kv["k"], kv["v"], cache["visible"], cfg.attn_softcap)
         if cfg.head_gate:
             o = o * (2 * jax.nn.sigmoid(layer["head_gate"].astype(jnp.float32))).astype(dt)[:, None]
@@ -320,8 +370,9 @@ def block(x, layer, angles, segment_ids, is_global, cfg: ModelConfig, cache=None
         h = rms_norm(x, layer["mlp_norm"], cfg.norm_eps)
         gate = jnp.einsum("btd,df->btf", h, gather(layer["w_gate"], col, dt))
         up = jnp.einsum("btd,df->btf", h, gather(layer["w_up"], col, dt))
-        x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, gather(layer["w_down"], row, dt),
-                           out_sharding=acts(None))
+        x = x + jnp.einsum(
+            "btf,fd->btd", jax.nn.silu(gate) * up, gather(layer["w_down"], row, dt), out_sharding=acts(None)
+        )
     return x, kv
 
 
@@ -380,6 +431,7 @@ def loss_fn(params, batch, cfg: ModelConfig):
 
 # ---------------------------------------------------------------- decoding with a cache
 
+
 def cache_specs(cfg: ModelConfig) -> dict:
     """PartitionSpec of every leaf of `init_cache`: rows over `data`, heads over `model`, as in training."""
     kv = P(None, "data", None, "model", None)
@@ -398,8 +450,13 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:
     specs, dt = cache_specs(cfg), jnp.dtype(cfg.compute_dtype)
     n_global = sum(global_layers(cfg))
     sizes = {"global": (n_global, max_len), "local": (cfg.n_layers - n_global, min(cfg.window, max_len))}
-    cache = {kind: {n: jnp.zeros((L, batch, S, cfg.n_kv_heads, cfg.head_dim), dt, out_sharding=specs[kind][n])
-                    for n in ("k", "v")} for kind, (L, S) in sizes.items()}
+    cache = {
+        kind: {
+            n: jnp.zeros((L, batch, S, cfg.n_kv_heads, cfg.head_dim), dt, out_sharding=specs[kind][n])
+            for n in ("k", "v")
+        }
+        for kind, (L, S) in sizes.items()
+    }
     return cache | {"pos": jnp.zeros((batch,), jnp.int32, out_sharding=specs["pos"]), "slot": jnp.zeros((), jnp.int32)}
 
 
@@ -417,7 +474,7 @@ def store_prompt(cache, kv, cfg: ModelConfig) -> dict:
         for n in ("k", "v"):
             x = jnp.stack([kv[n][i] for i in layers])  # [layers of this kind, B, T, ...]
             if T > R:  # a local ring shorter than the prompt: its last R slots, slot s at s % R
-                x = jnp.roll(x[:, :, T - R:], (T - R) % R, axis=2)
+                x = jnp.roll(x[:, :, T - R :], (T - R) % R, axis=2)
             else:
                 x = jax.lax.dynamic_update_slice_in_dim(cache[kind][n], x, 0, axis=2)
             out[kind] = out[kind] | {n: x}
@@ -472,8 +529,10 @@ def decode_step(params, token, cache, cfg: ModelConfig):
     slot, first = cache["slot"], cache["slot"] - cache["pos"]  # first: each row's first slot (its prompt's start)
     s, R = jnp.arange(cache["global"]["k"].shape[2]), cache["local"]["k"].shape[2]
     held = slot - (slot - jnp.arange(R)) % R  # the slot ring entry j holds once this token is written
-    at = {"global": {"slot": slot, "visible": (s[None, :] >= first[:, None]) & (s[None, :] <= slot)},
-          "local": {"slot": slot % R, "visible": held[None, :] >= first[:, None]}}
+    at = {
+        "global": {"slot": slot, "visible": (s[None, :] >= first[:, None]) & (s[None, :] <= slot)},
+        "local": {"slot": slot % R, "visible": held[None, :] >= first[:, None]},
+    }
     new = {"global": [], "local": []}
     for i, is_global in enumerate(global_layers(cfg)):
         kind = "global" if is_global else "local"
@@ -483,6 +542,8 @@ def decode_step(params, token, cache, cfg: ModelConfig):
         new[kind].append(kv)
     h = rms_norm(x[:, 0], params["final_norm"], cfg.norm_eps)
     logits = jnp.einsum("bd,dv->bv", h, unembedding(params, cfg), preferred_element_type=jnp.float32)
-    stacked = {kind: {n: jnp.stack([kv[n] for kv in kvs]) for n in ("k", "v")} if kvs else cache[kind]
-               for kind, kvs in new.items()}
+    stacked = {
+        kind: {n: jnp.stack([kv[n] for kv in kvs]) for n in ("k", "v")} if kvs else cache[kind]
+        for kind, kvs in new.items()
+    }
     return logits, stacked | {"pos": cache["pos"] + 1, "slot": slot + 1}

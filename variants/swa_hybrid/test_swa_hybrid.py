@@ -37,8 +37,9 @@ def mesh42():
 
 
 def small(**over):
-    kw = dict(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, window=4,
-              global_every=2)
+    kw = dict(
+        vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, window=4, global_every=2
+    )
     kw.update(over)
     return model.ModelConfig(**kw)
 
@@ -53,15 +54,25 @@ def packed_segments(rng, B, T):
 
 # ---------------------------------------------------------------- the layer pattern and config
 
+
 def test_global_layer_pattern():
     assert model.global_layers(small(n_layers=6, global_every=4)) == [False, False, False, True, False, True]
     assert model.global_layers(small(n_layers=4, global_every=1)) == [True] * 4
     assert model.global_layers(small(n_layers=3, global_every=10)) == [False, False, True]
 
 
-@pytest.mark.parametrize("field,value", [("window", 0), ("global_every", 0), ("global_rope", "alibi"),
-                                         ("attn_softcap", -1.0), ("global_rope_theta", 0.0),
-                                         ("attention_backend", "nope"), ("local_attention_backend", "nope")])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("window", 0),
+        ("global_every", 0),
+        ("global_rope", "alibi"),
+        ("attn_softcap", -1.0),
+        ("global_rope_theta", 0.0),
+        ("attention_backend", "nope"),
+        ("local_attention_backend", "nope"),
+    ],
+)
 def test_config_errors_name_the_field(field, value):
     with pytest.raises(model.ConfigError, match=f"model.{field}"):
         small(**{field: value})
@@ -69,12 +80,18 @@ def test_config_errors_name_the_field(field, value):
 
 def test_config_refuses_a_backend_that_cannot_run_its_layers():
     """Known before tracing on any machine: cuDNN takes no float32 and no soft-capping."""
-    with pytest.raises(model.ConfigError, match="model.attention_backend: 'cudnn' cannot run the global layers: .*bfloat16"):
+    with pytest.raises(
+        model.ConfigError, match="model.attention_backend: 'cudnn' cannot run the global layers: .*bfloat16"
+    ):
         small(attention_backend="cudnn", local_attention_backend="reference")
-    with pytest.raises(model.ConfigError, match="model.local_attention_backend: 'cudnn' .*sliding-window.*soft-capping"):
+    with pytest.raises(
+        model.ConfigError, match="model.local_attention_backend: 'cudnn' .*sliding-window.*soft-capping"
+    ):
         small(compute_dtype="bfloat16", attn_softcap=30.0, local_attention_backend="cudnn")
     cfg = small(compute_dtype="bfloat16", attention_backend="cudnn", local_attention_backend="reference")
-    assert model.local_backend(cfg) == "reference" and model.local_backend(small(attention_backend="pallas")) == "pallas"
+    assert (
+        model.local_backend(cfg) == "reference" and model.local_backend(small(attention_backend="pallas")) == "pallas"
+    )
 
 
 def test_a_global_only_backend_runs_the_global_layers(monkeypatch):
@@ -89,8 +106,11 @@ def test_a_global_only_backend_runs_the_global_layers(monkeypatch):
     registry = {"global_only": A.Backend("global_only", lambda: None, no_windows, run), **A.BACKENDS}
     monkeypatch.setattr(A, "BACKENDS", registry)
     monkeypatch.setitem(kernels.REGISTRIES, "attention", registry)
-    with pytest.raises(model.ConfigError, match=r"model.local_attention_backend: 'global_only' \(from attention_backend\)"
-                                                r" cannot run the sliding-window layers: no sliding window"):
+    with pytest.raises(
+        model.ConfigError,
+        match=r"model.local_attention_backend: 'global_only' \(from attention_backend\)"
+        r" cannot run the sliding-window layers: no sliding window",
+    ):
         small(attention_backend="global_only")
     cfg = small(attention_backend="global_only", local_attention_backend="reference")
     ref = small()
@@ -124,9 +144,15 @@ def layer_backends():
         seen = set()
         for dt in ("float32", "bfloat16"):
             cfg = small(n_layers=1, window=LOCALITY_W, compute_dtype=dt)
-            call = kernels.AttentionCall((4, LOCALITY_T, cfg.n_heads, cfg.head_dim),
-                                         (4, LOCALITY_T, cfg.n_kv_heads, cfg.head_dim), jnp.dtype(dt), True, window,
-                                         False, cfg.attn_softcap)
+            call = kernels.AttentionCall(
+                (4, LOCALITY_T, cfg.n_heads, cfg.head_dim),
+                (4, LOCALITY_T, cfg.n_kv_heads, cfg.head_dim),
+                jnp.dtype(dt),
+                True,
+                window,
+                False,
+                cfg.attn_softcap,
+            )
             out += [(kind, b, dt) for b in kernels.usable("attention", call) if b not in seen]
             seen |= set(kernels.usable("attention", call))
     return out
@@ -160,20 +186,25 @@ def test_local_layer_ignores_tokens_beyond_its_window(kind, backend, dt):
         x, y = (jax.device_put(jnp.asarray(a, dt), sh) for a in (x, y))
         out_x, out_y = np.asarray(f(x), np.float32), np.asarray(f(y), np.float32)
     if kind == "local":
-        np.testing.assert_array_equal(out_x[:, c + W - 1:], out_y[:, c + W - 1:],
-                                      err_msg=f"{backend}: a local layer sees tokens more than window back")
+        np.testing.assert_array_equal(
+            out_x[:, c + W - 1 :],
+            out_y[:, c + W - 1 :],
+            err_msg=f"{backend}: a local layer sees tokens more than window back",
+        )
         assert not np.allclose(out_x[:, c + W - 2], out_y[:, c + W - 2]), "the window is shorter than W"
     else:
-        assert not np.allclose(out_x[:, c + W - 1:], out_y[:, c + W - 1:]), f"{backend}: a global layer ignores the far past"
+        assert not np.allclose(out_x[:, c + W - 1 :], out_y[:, c + W - 1 :]), (
+            f"{backend}: a global layer ignores the far past"
+        )
 
 
 # ---------------------------------------------------------------- blockwise windowed reference
 
 CASES = [  # T, W, block, H, Hkv, softcap, segments
-    (37, 8, None, 4, 2, 0.0, True),   # T not a multiple of the block (8): 5 blocks, the last part-filled
-    (37, 8, 3, 4, 1, 5.0, True),      # W not a multiple of the block: 3 key blocks back, MQA, soft-cap
+    (37, 8, None, 4, 2, 0.0, True),  # T not a multiple of the block (8): 5 blocks, the last part-filled
+    (37, 8, 3, 4, 1, 5.0, True),  # W not a multiple of the block: 3 key blocks back, MQA, soft-cap
     (50, 13, 5, 2, 2, 2.0, False),
-    (20, 1, None, 4, 2, 0.0, True),   # W = 1: each token only itself
+    (20, 1, None, 4, 2, 0.0, True),  # W = 1: each token only itself
     (33, 32, None, 4, 2, 1.0, True),  # W = T - 1
 ]
 
@@ -242,7 +273,8 @@ def test_windowed_reference_under_explicit_4x2_mesh():
         return jnp.sum(kernels.attention(q, k, v, segment_ids=seg, window=8, softcap=3.0, backend="reference") ** 2)
 
     want_out = jax.jit(lambda q, k, v, s: kernels.attention(q, k, v, segment_ids=s, window=8, softcap=3.0))(
-        q, k, v, seg)
+        q, k, v, seg
+    )
     want_grads = jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v, seg)
     mesh = mesh42()
     with jax.set_mesh(mesh):
@@ -250,7 +282,8 @@ def test_windowed_reference_under_explicit_4x2_mesh():
         qs, ks, vs = (jax.device_put(a, heads) for a in (q, k, v))
         ss = jax.device_put(seg, NamedSharding(mesh, P("data", None)))
         out = jax.jit(lambda q, k, v, s: kernels.attention(q, k, v, segment_ids=s, window=8, softcap=3.0))(
-            qs, ks, vs, ss)
+            qs, ks, vs, ss
+        )
         grads = jax.jit(jax.grad(loss, (0, 1, 2)))(qs, ks, vs, ss)
     assert out.sharding.spec == P("data", None, "model", None), out.sharding.spec
     np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
@@ -263,8 +296,9 @@ def test_cudnn_refuses_softcap_and_auto_falls_to_reference(monkeypatch):
     """Pretend cuDNN is present: soft-capping is refused by name, never run without the cap."""
     cud = A.BACKENDS["cudnn"]
     ran = []
-    monkeypatch.setitem(A.BACKENDS, "cudnn", A.Backend("cudnn", lambda: None, cud.refuses,
-                                                       lambda *a, **kw: ran.append(1)))
+    monkeypatch.setitem(
+        A.BACKENDS, "cudnn", A.Backend("cudnn", lambda: None, cud.refuses, lambda *a, **kw: ran.append(1))
+    )
     q = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
     with pytest.raises(kernels.AttentionError, match="soft-capping"):
         kernels.attention(q, q, q, window=4, softcap=30.0, backend="cudnn")
@@ -276,6 +310,7 @@ def test_cudnn_refuses_softcap_and_auto_falls_to_reference(monkeypatch):
 
 # ---------------------------------------------------------------- the whole model
 
+
 @functools.cache
 def _init(cfg):
     with jax.set_mesh(mesh42()):
@@ -286,12 +321,17 @@ def _tokens(rng, cfg, T=32):
     return jnp.asarray(rng.integers(0, cfg.vocab_size, (4, T)), jnp.int32)
 
 
-OPTIONS = [dict(local_rope_theta=100.0, global_rope_theta=1e6),
-           dict(qk_norm=False, head_gate=False, global_rope="none", attn_softcap=5.0)]
+OPTIONS = [
+    dict(local_rope_theta=100.0, global_rope_theta=1e6),
+    dict(qk_norm=False, head_gate=False, global_rope="none", attn_softcap=5.0),
+]
 
 
-@pytest.mark.parametrize("over", [pytest.param(OPTIONS[0], marks=LONG), pytest.param(OPTIONS[1], marks=LONG)],  # 15-45 s each: integration tier
-                         ids=["two-thetas", "nope-softcap-plain"])
+@pytest.mark.parametrize(
+    "over",
+    [pytest.param(OPTIONS[0], marks=LONG), pytest.param(OPTIONS[1], marks=LONG)],  # 15-45 s each: integration tier
+    ids=["two-thetas", "nope-softcap-plain"],
+)
 def test_scanned_layers_match_an_unrolled_loop(over):
     """The per-layer pattern fed as scan data picks the same attention as Python flags per layer."""
     cfg = small(n_layers=3, global_every=2, remat="none", **over)  # local, global, global (the last)
@@ -307,8 +347,9 @@ def test_scanned_layers_match_an_unrolled_loop(over):
 
     all_global = dataclasses.replace(cfg, global_every=1)
     with jax.set_mesh(mesh42()):
-        want, got, other = jax.jit(lambda p, t: (unrolled(p, t), model.hidden_states(p, t, cfg),
-                                                 model.hidden_states(p, t, all_global)))(params, tokens)
+        want, got, other = jax.jit(
+            lambda p, t: (unrolled(p, t), model.hidden_states(p, t, cfg), model.hidden_states(p, t, all_global))
+        )(params, tokens)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert not np.allclose(got, other, atol=1e-4), "the layer pattern makes no difference"
 
@@ -323,7 +364,8 @@ def test_remat_policies_agree_on_loss_and_grads():
     seg = jnp.asarray(np.where(np.arange(32) < 19, 1, 2)[None].repeat(4, 0), jnp.int32)
     batch = {"tokens": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": seg, "loss_mask": jnp.ones((4, 32))}
     grad = lambda remat: jax.value_and_grad(  # noqa: E731
-        lambda p, b: model.loss_fn(p, b, dataclasses.replace(base, remat=remat))[0])
+        lambda p, b: model.loss_fn(p, b, dataclasses.replace(base, remat=remat))[0]
+    )
     with jax.set_mesh(mesh42()):
         (l0, g0), *rest = jax.jit(lambda p, b: [grad(r)(p, b) for r in ("none", "dots", "full")])(params, batch)
     for loss, g in rest:
@@ -369,9 +411,14 @@ def test_causality_and_document_isolation_with_window_below_row():
         np.testing.assert_allclose(out[:, cut:], run(second, seg(T - cut))[:, : T - cut], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("over", [dict(window=4), pytest.param(dict(window=64, global_rope="none", attn_softcap=5.0,
-                                                                 head_gate=False), marks=LONG)],  # 20 s: integration
-                         ids=["ring-wraps", "ring-is-the-row-nope-softcap"])
+@pytest.mark.parametrize(
+    "over",
+    [
+        dict(window=4),
+        pytest.param(dict(window=64, global_rope="none", attn_softcap=5.0, head_gate=False), marks=LONG),
+    ],  # 20 s: integration
+    ids=["ring-wraps", "ring-is-the-row-nope-softcap"],
+)
 def test_decoding_matches_forward(over):
     """prefill + greedy decoding equal forward: local layers' rings of 4 slots wrapping several times
     (prompts of 1 to 11 tokens, 10 steps), and a window longer than the cache (the ring holds the whole
@@ -385,37 +432,60 @@ def test_decoding_matches_forward(over):
 # tests/test_hf.py runs the checks every hf.py gets; these are swa_hybrid's own: what its export and import
 # refuse, and the layer pattern it reads.
 
+
 def hf_module():
     return load(os.path.join(HERE, "hf.py"))
 
 
-QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=512, hidden_size=64,
-             intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-             rms_norm_eps=1e-5, hidden_act="silu", rope_parameters={"rope_type": "default", "rope_theta": 1e4},
-             use_sliding_window=True, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2)
+QWEN3 = dict(
+    architectures=["Qwen3ForCausalLM"],
+    model_type="qwen3",
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    hidden_act="silu",
+    rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+    use_sliding_window=True,
+    sliding_window=8,
+    layer_types=["sliding_attention", "full_attention"] * 2,
+)
 
 
-@pytest.mark.parametrize("change,field", [
-    ({"qk_norm": False}, "model.qk_norm"), ({"attn_softcap": 30.0}, "model.attn_softcap"),
-    ({"global_rope": "none"}, "model.global_rope"), ({"global_rope_theta": 5e5}, "model.global_rope_theta"),
-])
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        ({"qk_norm": False}, "model.qk_norm"),
+        ({"attn_softcap": 30.0}, "model.attn_softcap"),
+        ({"global_rope": "none"}, "model.global_rope"),
+        ({"global_rope_theta": 5e5}, "model.global_rope_theta"),
+    ],
+)
 def test_hf_export_refuses(change, field, tmp_path):
     cfg = small(**change)
     with pytest.raises(HFError, match=f"^{field}: "):
-        hf_module().export_params({}, cfg, str(tmp_path / "hf"), str(tmp_path / "tokenizer.json"), max_length=64,
-                                  progress=False)
+        hf_module().export_params(
+            {}, cfg, str(tmp_path / "hf"), str(tmp_path / "tokenizer.json"), max_length=64, progress=False
+        )
     assert not os.path.exists(tmp_path / "hf")
 
 
-@pytest.mark.parametrize("change,field", [
-    ({"layer_types": ["full_attention", "sliding_attention"] * 2}, "layer_types"),  # the last layer is always full
-    ({"layer_types": ["sliding_attention", "full_attention", "full_attention", "full_attention"]}, "layer_types"),
-    ({"layer_types": ["chunked_attention"] * 4}, "layer_types"),
-    ({"use_sliding_window": False}, "use_sliding_window"),
-    ({"attention_bias": True}, "attention_bias"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "rope_parameters.rope_type"),
-    ({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "model_type"),
-])
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        ({"layer_types": ["full_attention", "sliding_attention"] * 2}, "layer_types"),  # the last layer is always full
+        ({"layer_types": ["sliding_attention", "full_attention", "full_attention", "full_attention"]}, "layer_types"),
+        ({"layer_types": ["chunked_attention"] * 4}, "layer_types"),
+        ({"use_sliding_window": False}, "use_sliding_window"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "rope_parameters.rope_type"),
+        ({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "model_type"),
+    ],
+)
 def test_hf_import_refuses(change, field):
     with pytest.raises(HFError, match=f"^{field}: "):
         hf_module().model_config({**QWEN3, **change})
@@ -427,4 +497,3 @@ def test_hf_import_reads_the_layer_pattern():
     assert (cfg.global_every, cfg.window, cfg.head_gate, cfg.qk_norm) == (2, 8, False, True)
     assert hf.model.global_layers(cfg) == [False, True, False, True]
     assert hf.model.global_layers(hf.model_config({**QWEN3, "layer_types": ["full_attention"] * 4})) == [True] * 4
-
