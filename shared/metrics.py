@@ -3,7 +3,7 @@
 The run directory gets metrics.jsonl (one JSON object per logged step, keys as the loop
 names them: train/loss, eval/loss, optim/grad_norm, throughput/tokens_per_second, ...; NaN/inf
 as strings; a resumed run first drops the rows after its checkpoint's step, which it redoes; a run that
-branches back to an earlier checkpoint first moves those rows aside, `move_rows_after`) and config.json (the run's config, for tools such as tools/compare_runs.py, plus
+branches back to an earlier checkpoint first moves those rows aside, `move_rows_after`) and config.json (the run's config, for tools such as tools/review/compare_runs.py, plus
 what `Logger.record` adds once the run knows it: e.g. "kernels", the backend each kernel op
 took, which is decided while the first step compiles).
 
@@ -45,7 +45,7 @@ def write_config(run_dir: str, config: dict, name: str = "config.json") -> str:
     """Write `config` as run_dir/config.json (atomically: a temp file, then os.replace).
 
     config.json is the run's settings and nothing else: a valid `--config_path`, and what `--resume` starts
-    from (shared/cli.py). tools/compare_runs.py reads batch_size and seq_len from it to put tokens on an
+    from (shared/cli.py). tools/review/compare_runs.py reads batch_size and seq_len from it to put tokens on an
     axis. A resumed run rewrites it with the settings it resumed with. What the run adds once it has
     started (the peak MFU is against, the kernels its step chose) is run.json beside it (`Logger.record`)."""
     path = os.path.join(run_dir, name)

@@ -299,7 +299,7 @@ class Clock:
 
 class Profiler:
     """--profile_steps A:B: a jax.profiler trace of steps A..B into <run_dir>/profile, and the compiled
-    step's text beside it (which scope each op comes from: tools/profile_top.py reads both)."""
+    step's text beside it (which scope each op comes from: tools/bench/profile_top.py reads both)."""
 
     def __init__(self, window: tuple[int, int] | None, run_dir: str):
         self.window, self.dir = window, os.path.join(run_dir, "profile")
@@ -319,7 +319,7 @@ class Profiler:
                 f.write(lowered.compile().as_text())
         return (
             f"profile of steps {self.window[0]}-{self.window[1]}: {self.dir}; the top ops: "
-            f"python tools/profile_top.py {self.dir}"
+            f"python tools/bench/profile_top.py {self.dir}"
         )
 
 
@@ -486,7 +486,9 @@ class Run:
                 f"this run is complete: {self.checkpoint} is at step {self.end}, its last step (--steps / "
                 f"--stop_at); nothing to train. To train further, raise --steps (or --stop_at)"
             )
-        if not quiet:  # the peak MFU is against: said once, kept in run.json (tools/compare_runs.py compares peaks)
+        if (
+            not quiet
+        ):  # the peak MFU is against: said once, kept in run.json (tools/review/compare_runs.py compares peaks)
             self.write(f"MFU is against {self.peak / 1e9:,.1f} GFLOP/s per device: {self.peak_src}")
             self.logger.record("peak", {"per_device": self.peak, "source": self.peak_src})
         if self.checkpoint:

@@ -1,5 +1,5 @@
-"""tools/bench_step.py (the plain-JAX reference step; two attention backends side by side),
-tools/bench_attention.py (attention backends side by side at one shape) and tools/gpu_benchmark.py
+"""tools/bench/bench_step.py (the plain-JAX reference step; two attention backends side by side),
+tools/bench/bench_attention.py (attention backends side by side at one shape) and tools/bench/gpu_benchmark.py
 (on CPU: the plan, a real tiny job, the table, the time limits)."""
 
 import importlib
@@ -12,8 +12,8 @@ import pytest
 
 from shared.variant import ROOT, load
 
-BENCH = os.path.join(ROOT, "tools", "bench_step.py")
-GPU = os.path.join(ROOT, "tools", "gpu_benchmark.py")
+BENCH = os.path.join(ROOT, "tools", "bench", "bench_step.py")
+GPU = os.path.join(ROOT, "tools", "bench", "gpu_benchmark.py")
 TINY = ["--seq_len", "32", "--batch_size", "4", "--model.n_layers", "2", "--model.vocab_size", "256"]
 
 
@@ -57,7 +57,7 @@ def test_bench_refuses_a_reference_it_does_not_have():
 def test_bench_attention_checks_then_times_backends_side_by_side(capsys, monkeypatch):
     """At one shape: a backend that refuses the call is reported and left out, the others are checked against
     the last one and timed in interleaved rounds with their ratios to it; one that disagrees is not timed."""
-    bench = load(os.path.join(ROOT, "tools", "bench_attention.py"))
+    bench = load(os.path.join(ROOT, "tools", "bench", "bench_attention.py"))
     args = ["--shape", "2,16,2,1,8", "--window", "4", "--rounds", "1", "--calls", "1"]
     assert bench.main([*args, "--backends", "pallas,blocked@8,reference"]) == 0
     out = capsys.readouterr().out
@@ -88,7 +88,7 @@ def test_bench_attention_checks_then_times_backends_side_by_side(capsys, monkeyp
 def test_bench_step_times_two_attention_backends_side_by_side(capsys):
     """--attention-backends: the variant's step with each backend on every attention layer, plus the noise
     arm, each with its tokens/s and ratio to the last; a backend the config refuses is named."""
-    bench = load(os.path.join(ROOT, "tools", "bench_step.py"))
+    bench = load(os.path.join(ROOT, "tools", "bench", "bench_step.py"))
     flags = ["--rounds", "1", "--steps-per-round", "1", *TINY]
     assert bench.main([*flags, "--attention-backends", "blocked,reference"]) == 0
     out = capsys.readouterr().out
@@ -184,7 +184,7 @@ def test_gpu_benchmark_budget_leaves_jobs_unrun(tmp_path):
     assert rows and all(r["status"] == "not run: budget" for r in rows), p.stdout + p.stderr
 
 
-BENCH_GENERATE = os.path.join(ROOT, "tools", "bench_generate.py")
+BENCH_GENERATE = os.path.join(ROOT, "tools", "bench", "bench_generate.py")
 
 
 @pytest.mark.integration  # a subprocess: the tool as a user runs it (two folders, tiny lengths)

@@ -1,4 +1,4 @@
-"""tools/compare_runs.py on hand-written run directories (no training): the plotted curves
+"""tools/review/compare_runs.py on hand-written run directories (no training): the plotted curves
 against step and tokens, resume duplicates, val-loss lines, summary.md, the config sources,
 CLI errors; and the Logger's config.json that the tokens axis relies on."""
 
@@ -13,7 +13,7 @@ import pytest
 from shared import metrics
 from shared.variant import ROOT, load
 
-TOOL = os.path.join(ROOT, "tools", "compare_runs.py")
+TOOL = os.path.join(ROOT, "tools", "review", "compare_runs.py")
 cr = load(TOOL)
 
 
@@ -203,7 +203,7 @@ def test_cli(two_runs, tmp_path):
     assert labels.returncode == 2 and labels.stderr.startswith("error: --labels")
 
     usage = cli("--help")
-    assert usage.returncode == 0 and "--out" in usage.stdout and "python tools/compare_runs.py" in usage.stdout
+    assert usage.returncode == 0 and "--out" in usage.stdout and "python tools/review/compare_runs.py" in usage.stdout
 
 
 def test_logger_writes_config_json(tmp_path):

@@ -78,7 +78,7 @@ def defined(token: str) -> bool:
 
 @pytest.mark.parametrize("doc", DOCS)
 def test_named_paths_exist(doc):
-    """Paths in code spans (`shared/run.py`, `tools/compare_runs.py`) from the repository root, and link
+    """Paths in code spans (`shared/run.py`, `tools/review/compare_runs.py`) from the repository root, and link
     targets from the doc's own folder."""
     missing = []
     for s in spans(doc):
@@ -188,7 +188,7 @@ def all_helps() -> dict[str, tuple[int, str]]:
 def test_every_command_answers_help(helps):
     """Every tool, launcher, `python -m shared...` command and variant script (each folder's train.py is
     checked in-process by the contract's test_help_lists_every_field)."""
-    assert "tools/variant_diff.py" in helps and "-m shared.pretokenize" in helps, sorted(helps)
+    assert "tools/review/variant_diff.py" in helps and "-m shared.pretokenize" in helps, sorted(helps)
     failed = [
         f"{k} --help: exit {rc}\n{out[-600:]}"
         for k, (rc, out) in helps.items()
@@ -208,7 +208,7 @@ def sub_help(argv: tuple) -> str:
 
 @pytest.mark.parametrize("doc", DOCS)
 def test_tool_flags_are_in_the_tools_help(doc, helps):
-    """`python tools/bench_step.py --rounds 7`: every --flag appears in that command's --help (its
+    """`python tools/bench/bench_step.py --rounds 7`: every --flag appears in that command's --help (its
     subcommand's, for `python variants/dense/hf.py export --run_dir R`)."""
     bad = []
     for c in commands(doc):
@@ -223,7 +223,7 @@ def test_tool_flags_are_in_the_tools_help(doc, helps):
         own, passed = (c[n : c.index("--")], c[c.index("--") + 1 :]) if "--" in c else (c[n:], [])
         variant = own[own.index("--variant") + 1] if "--variant" in own[:-1] else "dense"
         train = config_flags(folder_of(f"variants/{variant}/train.py"))
-        forwards = "go to the variant's TrainConfig" in usage  # tools/bench_step.py
+        forwards = "go to the variant's TrainConfig" in usage  # tools/bench/bench_step.py
         bad += [
             f"{key} {w}"
             for w in own
@@ -245,11 +245,8 @@ def test_the_maps_name_every_module_and_tool():
         for p in glob.glob(os.path.join(ROOT, "shared", pattern))
     ]
     missing = [m for m in modules if not m.endswith("__init__.py") and f"`{m}`" not in agents]
-    missing += [
-        f"tools/{os.path.basename(p)}"
-        for p in glob.glob(os.path.join(ROOT, "tools", "*.py"))
-        if f"tools/{os.path.basename(p)}" not in agents
-    ]
+    tools = [os.path.relpath(p, ROOT).replace(os.sep, "/") for p in glob.glob(os.path.join(ROOT, "tools", "*", "*.py"))]
+    missing += [t for t in tools if t not in agents]
     assert not missing, f"AGENTS.md's map does not name {sorted(missing)}"
 
 
@@ -361,7 +358,7 @@ def test_a_folders_figures_name_their_command_and_commit(folder):
 def test_a_folders_docstrings_name_its_parent_and_leave_the_diff_to_the_tool(folder):
     """A copy's files say which folder they were copied from (the parent its model.py declares, not the parent's
     parent a copied line names) and make no claim of which lines differ (`only ... differ` goes stale with the
-    next edit; `python tools/variant_diff.py <folder>` shows it)."""
+    next edit; `python tools/review/variant_diff.py <folder>` shows it)."""
     import ast
 
     parent = re.search(r'^COPIED_FROM\s*=\s*"([^"]+)"', text(f"{folder}/model.py"), re.M)
@@ -379,7 +376,7 @@ def test_a_folders_docstrings_name_its_parent_and_leave_the_diff_to_the_tool(fol
         if re.search(r"\bonly\b[^.]{0,80}\bdiffers?\b", body):
             bad.append(
                 f"{path}: says which lines differ from the parent; say instead that "
-                f"`python tools/variant_diff.py {folder}` shows what differs"
+                f"`python tools/review/variant_diff.py {folder}` shows what differs"
             )
     assert not bad, bad
 

@@ -1,5 +1,5 @@
 """Faults a long run meets: an object store that throttles, resets connections and stalls (the local S3
-server behind tools/fault_proxy.py, both on 127.0.0.1), a process other than 0 failing its part of a
+server behind tools/servers/fault_proxy.py, both on 127.0.0.1), a process other than 0 failing its part of a
 save in a 2-process run, and a soak of SIGKILLs at random moments.
 
 Every request the store is asked is retried by the driver within the budget STENCIL_STORE_RETRIES sets
@@ -24,7 +24,7 @@ from helpers import ckpt_tree, finish, losses, mesh, sub_env  # noqa: E402  (tes
 pytestmark = pytest.mark.integration  # real S3 server and fault proxy on 127.0.0.1, subprocesses, kill loops
 
 train = load(os.path.join(ROOT, "variants", "dense", "train.py"))  # the one tiny_dense (conftest) runs
-fault_proxy = load(os.path.join(ROOT, "tools", "fault_proxy.py"))
+fault_proxy = load(os.path.join(ROOT, "tools", "servers", "fault_proxy.py"))
 END_ONLY = {"eval_every": 1000, "eval_batches": 1}  # evaluated only at the end
 FAST_RETRIES = "12,0.01,0.2"  # a small budget, so that a store failing for good fails the test in seconds
 

@@ -1,6 +1,6 @@
 """A change that moves code changes no number a run computes: every folder's first losses and held-out loss
 equal, bit for bit, those tests/reference/first_losses.json recorded before the shared layer's redesign
-(tools/first_losses.py says how it was measured and how to regenerate it). The tool runs in its own process
+(tools/review/first_losses.py says how it was measured and how to regenerate it). The tool runs in its own process
 with XLA's optimizations on, as the reference was measured (conftest.py turns them off for the tests: other
 programs, other rounding)."""
 
@@ -24,7 +24,7 @@ def test_every_folders_first_losses_equal_the_reference_bit_for_bit(tmp_path):
         "JAX_DISABLE_MOST_OPTIMIZATIONS": "0",
     }
     r = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", "first_losses.py"), "--check", REFERENCE],
+        [sys.executable, os.path.join(ROOT, "tools", "review", "first_losses.py"), "--check", REFERENCE],
         capture_output=True,
         text=True,
         env=env,

@@ -1,4 +1,4 @@
-"""The shared layer's structure stays readable (tools/import_graph.py measures it): no import circle, a
+"""The shared layer's structure stays readable (tools/review/import_graph.py measures it): no import circle, a
 bounded depth, and a run harness that holds the run's plumbing only: it imports no evaluation, decoding,
 command or variant-loading module, so `shared/run.py` can be read without them."""
 
@@ -6,7 +6,7 @@ import os
 
 from shared.variant import ROOT, load
 
-graph_tool = load(os.path.join(ROOT, "tools", "import_graph.py"))
+graph_tool = load(os.path.join(ROOT, "tools", "review", "import_graph.py"))
 
 MAX_DEPTH = 8  # modules in the longest chain of imports (10 with a circle before the redesign; the target is 5)
 RUN_IMPORTS = 9  # shared modules shared/run.py imports (13 before; the target is 7)

@@ -1,6 +1,6 @@
 """Checkpoints on object storage and asynchronous saves (shared/checkpoint.py, the train loop).
 
-Real servers on 127.0.0.1, started by session fixtures (tools/local_objstore.py): moto's S3
+Real servers on 127.0.0.1, started by session fixtures (tools/servers/local_objstore.py): moto's S3
 server and fake-gcs-server, which tensorstore's s3 and gcs drivers are pointed at. Each test
 gets a fresh bucket. The train.py runs use test_preemption's tiny dense config."""
 

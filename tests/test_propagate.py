@@ -1,4 +1,4 @@
-"""tools/propagate.py on small throwaway git repositories: templates/base <- variants/a <- variants/b.
+"""tools/review/propagate.py on small throwaway git repositories: templates/base <- variants/a <- variants/b.
 
 Each test builds its own repository in tmp_path and runs the tool by subprocess with --root."""
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-TOOL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "propagate.py")
+TOOL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "review", "propagate.py")
 
 TRAIN = "".join(f"STEP_{i} = {i}  # train setting {i}\n" for i in range(20))
 BODY = "".join(f"def layer_{i}(x):\n    return x * {i}\n" for i in range(9))

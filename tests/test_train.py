@@ -352,9 +352,9 @@ def test_a_bad_update_with_a_finite_loss_is_never_saved(tiny_dense, tmp_path, mo
 
 def test_profile_steps_capture_a_trace_whose_top_ops_name_the_model_scopes(tiny_dense, tmp_path, capsys):
     """--profile_steps A:B writes a jax.profiler trace and the compiled step's text into <run_dir>/profile;
-    tools/profile_top.py lists the ops by self time with the named scopes of the model they come from."""
+    tools/bench/profile_top.py lists the ops by self time with the named scopes of the model they come from."""
     train.main(tiny_dense.config(tmp_path, steps=4, save_every=0, profile_steps="2:3"))
-    top = load(os.path.join(ROOT, "tools", "profile_top.py"))
+    top = load(os.path.join(ROOT, "tools", "bench", "profile_top.py"))
     capsys.readouterr()
     assert top.main([str(tmp_path / "profile"), "--csv", str(tmp_path / "ops.csv")]) == 0
     out = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""tools/variant_diff.py on small synthetic repositories: nearest sibling by code, file changes,
+"""tools/review/variant_diff.py on small synthetic repositories: nearest sibling by code, file changes,
 determinism, lineage warnings, --since in a git repository (with the files changed outside the
 folders), the variant's own tests, --runs, and the real repo's table."""
 
@@ -13,8 +13,9 @@ import pytest
 
 from shared.variant import ROOT, load
 
-TOOL = os.path.join(ROOT, "tools", "variant_diff.py")
+TOOL = os.path.join(ROOT, "tools", "review", "variant_diff.py")
 vd = load(TOOL)
+lineage = load(os.path.join(ROOT, "tools", "review", "lineage.py"))  # what variant_diff measures with
 
 BASE_MODEL = "".join(f"def layer_{i}(x):\n    return x * {i} + {i * i}\n\n" for i in range(20))
 BASE_TRAIN = "".join(f"STEP_{i} = {i}  # train setting {i}\n" for i in range(25))
@@ -73,17 +74,17 @@ def run(root, *args):
 def test_reads_copied_from_without_importing(tmp_path):
     p = tmp_path / "model.py"
     p.write_text('import module_that_does_not_exist\nCOPIED_FROM = "variants/dense/"  # trailing slash\n')
-    assert vd.read_copied_from(str(p)) == ("variants/dense", None)
+    assert lineage.read_copied_from(str(p)) == ("variants/dense", None)
     p.write_text("COPIED_FROM = None\n")
-    assert vd.read_copied_from(str(p)) == (None, None)
+    assert lineage.read_copied_from(str(p)) == (None, None)
     p.write_text('PARENT = "x"\nCOPIED_FROM = PARENT\n')
-    assert "not a string literal" in vd.read_copied_from(str(p))[1]
+    assert "not a string literal" in lineage.read_copied_from(str(p))[1]
     p.write_text("x = 1\n")
-    assert "does not assign COPIED_FROM" in vd.read_copied_from(str(p))[1]
+    assert "does not assign COPIED_FROM" in lineage.read_copied_from(str(p))[1]
 
 
 def test_picks_nearest_sibling_and_skips_descendants(repo):
-    r = vd.Repo(str(repo))
+    r = lineage.Repo(str(repo))
     assert r.folders == ["templates/base", "variants/a", "variants/b"]
     assert r.nearest("variants/b") == ("variants/a", 2 + 2)  # two added lines, COPIED_FROM changed
     assert r.nearest("variants/a")[0] == "templates/base"  # b is a's copy, never its nearest
@@ -110,8 +111,8 @@ def test_added_removed_and_renamed_files(repo):
             "variants/c/NOTES.md": "why this variant exists\n```\ncode\n```\n",
         },
     )  # bench_a.py removed
-    r = vd.Repo(str(repo))
-    entries = {e.path: e for e in vd.compare(r.files("variants/a"), r.files("variants/c"))}
+    r = lineage.Repo(str(repo))
+    entries = {e.path: e for e in lineage.compare(r.files("variants/a"), r.files("variants/c"))}
     assert entries["presets/tiny.yaml"].status == "renamed" and entries["presets/tiny.yaml"].old == "presets/small.yaml"
     assert (entries["presets/tiny.yaml"].added, entries["presets/tiny.yaml"].removed) == (1, 1)
     assert entries["presets/tiny.yaml"].similarity > 0.9
@@ -120,7 +121,7 @@ def test_added_removed_and_renamed_files(repo):
     assert (entries["model.py"].status, entries["model.py"].added) == ("modified", 1)  # the COPIED_FROM line
     assert r.distance("variants/c", "variants/a") == 2 + 2  # code only: model.py and train.py
     assert r.distance("variants/c", "variants/a", code=False) == 2 + 4 + 10
-    assert [vd.kind_of(p) for p in ("model.py", "train.py", "NOTES.md", "presets/tiny.yaml", "bench_a.py")] == [
+    assert [lineage.kind_of(p) for p in ("model.py", "train.py", "NOTES.md", "presets/tiny.yaml", "bench_a.py")] == [
         "code",
         "code",
         "docs",
@@ -291,7 +292,7 @@ def test_real_repository_lineage_follows_the_code():
     rows = table(out)
     assert rows["variants/moe_hero"][:2] == ["variants/swa_hybrid", "variants/swa_hybrid"]
     assert rows["variants/moe_hero"][-1] == "ok"
-    r = vd.Repo(ROOT)
+    r = lineage.Repo(ROOT)
     assert r.nearest("variants/moe_hero")[0] == r.parents["variants/moe_hero"][0] == "variants/swa_hybrid"
 
 
@@ -328,8 +329,8 @@ def churn(tmp_path):
 
 
 def test_code_distance_ignores_docs_and_presets_churn(churn):
-    r = vd.Repo(str(churn))
-    everything = lambda a, b: vd.total(vd.compare(r.files(a), r.files(b)))  # noqa: E731  (the old measure)
+    r = lineage.Repo(str(churn))
+    everything = lambda a, b: lineage.total(lineage.compare(r.files(a), r.files(b)))  # noqa: E731  (the old measure)
     assert everything("variants/x", "templates/base") < everything("variants/x", "variants/p"), (
         "the fixture must be one where README and preset churn picks the wrong folder"
     )
@@ -362,8 +363,8 @@ def test_hf_py_is_code_written_counts_deleted_does_not(repo):
             "variants/c/train.py": BASE_TRAIN,
         },
     )
-    r = vd.Repo(str(repo))
-    assert vd.kind_of("hf.py") == "code"
+    r = lineage.Repo(str(repo))
+    assert lineage.kind_of("hf.py") == "code"
     assert r.distance("variants/a", "templates/base") == 60 + 2 + 40
     assert r.distance("variants/b", "variants/a") == 2 + 2 + 6  # model lines added, COPIED_FROM, hf.py edits
     assert r.distance("variants/c", "variants/a") == 2  # COPIED_FROM only: the deleted hf.py is left out
@@ -376,7 +377,7 @@ def test_warns_when_the_declared_parent_is_far_in_code(churn):
     # x's code is p's plus two lines, its docs are the base's, and it declares templates/base
     text = (churn / "variants/x/model.py").read_text()
     write(churn, {"variants/x/model.py": text.replace("'variants/p'", "'templates/base'")})
-    r = vd.Repo(str(churn))
+    r = lineage.Repo(str(churn))
     pd, nd = r.distance("variants/x", "templates/base"), r.distance("variants/x", "variants/p")
     assert r.nearest("variants/x") == ("variants/p", nd) and (pd, nd) == (64, 2)  # same COPIED_FROM as p
     rc, out, err = run(churn, "variants/x")
@@ -520,7 +521,8 @@ def test_runs_link_the_loss_curves(repo, tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(
-    not os.path.exists(os.path.join(ROOT, "tools", "compare_runs.py")), reason="tools/compare_runs.py is not there yet"
+    not os.path.exists(os.path.join(ROOT, "tools", "review", "compare_runs.py")),
+    reason="tools/review/compare_runs.py is not there yet",
 )
 def test_runs_with_the_real_compare_runs(repo, tmp_path):
     runs = []

@@ -30,7 +30,7 @@ other jobs running beside (load average 5 to 9: quote the ratios, not the times)
 is one process, blocked (its default block) against the reference in interleaved rounds:
 the per-round ratio of their times, median (min-max) over 7 rounds of 3 calls each:
 
-    python tools/bench_attention.py --shape B,T,H,Hkv,D [--window W] --rounds 7 --calls 3
+    python tools/bench/bench_attention.py --shape B,T,H,Hkv,D [--window W] --rounds 7 --calls 3
 
     B,T,H,Hkv,D      window  where it occurs                      fwd                fwd+bwd            auto
     32,128,4,2,32    -       dense, kda: CPU default              0.84 (0.36-1.97)   0.53 (0.22-0.63)   blocked

@@ -72,7 +72,7 @@ def _rows_reference(logits, targets):
     data moves). Logits split over the vocabulary between devices take it as a masked sum
     instead, which each shard computes on its own slice before one all-reduce; a gather there
     would need the whole row. The masked sum costs more: on CPU it made the whole train step
-    about 1.1x slower at the CPU default (tools/bench_step.py).
+    about 1.1x slower at the CPU default (tools/bench/bench_step.py).
     """
     lse = jax.nn.logsumexp(logits, axis=-1)
     if not split(logits, -1):

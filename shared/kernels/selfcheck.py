@@ -15,7 +15,7 @@ convolution) report GB/s of their inputs and outputs instead.
 
 `--shape B,T,H,Hkv,D` sets the attention cases' shape (batch, tokens, query heads, kv heads,
 head_dim) and `--window W` their window case (default T // 4), e.g. a variant's own: the
-time column then compares the backends at that shape (tools/bench_attention.py times two
+time column then compares the backends at that shape (tools/bench/bench_attention.py times two
 of them side by side with the spread over interleaved rounds).
 
 A backend that refuses a case (e.g. cuDNN has no soft-capping, FlashAttention-4 no segment

@@ -244,7 +244,7 @@ def hidden_states(params, tokens, cfg: ModelConfig, *, segment_ids=None, cache=N
     angles = rope_angles(reshard(pos, acts()), cfg.head_dim, cfg.rope_theta)
 
     def step(x, layer):
-        with jax.named_scope("layer"):  # profiles read layer/attention, layer/mlp (tools/profile_top.py)
+        with jax.named_scope("layer"):  # profiles read layer/attention, layer/mlp (tools/bench/profile_top.py)
             x, kv = block(x, layer, angles, segment_ids, cfg)
             return x, (kv if cache is not None else None)
 

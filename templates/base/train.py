@@ -107,7 +107,7 @@ class TrainConfig(run.RunConfig, evals.EvalConfig):
 CONTRACT_TINY: dict = {}
 # The long checks of this folder that stay in the fast tier, each under 30 s on 2 cores (the rest run in the
 # integration tier; docs/testing.md, "What a folder costs"): "loop" (the train loop with every feature on),
-# "context" (the row split over context 2). tools/check_variant.py prints what each costs here.
+# "context" (the row split over context 2). tools/review/check_variant.py prints what each costs here.
 FAST_TIER: tuple = ("loop", "context")
 
 

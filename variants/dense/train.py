@@ -5,7 +5,7 @@
     python variants/dense/train.py --resume true      # continue the newest run of this variant
     python variants/dense/train.py --help             # every setting
 
-Copied from templates/base/train.py; `python tools/variant_diff.py variants/dense` shows what differs.
+Copied from templates/base/train.py; `python tools/review/variant_diff.py variants/dense` shows what differs.
 
 What a variant may change is here: its config, mesh, optimizer, state, step, evaluation, sampling
 and the loop in `main()`. What no variant edits (the run directory and its lock, resume checks,
@@ -110,7 +110,7 @@ class TrainConfig(run.RunConfig, evals.EvalConfig):
 CONTRACT_TINY: dict = {}
 # The long checks of this folder that stay in the fast tier, each under 30 s on 2 cores (the rest run in the
 # integration tier; docs/testing.md, "What a folder costs"): "loop" (the train loop with every feature on),
-# "context" (the row split over context 2). tools/check_variant.py prints what each costs here.
+# "context" (the row split over context 2). tools/review/check_variant.py prints what each costs here.
 FAST_TIER: tuple = ("loop", "context")
 
 

@@ -478,7 +478,7 @@ def hidden_states(params, tokens, cfg: ModelConfig, *, segment_ids=None, cache=N
     def attn_step(x, layer):
         with jax.named_scope(
             "attention_layer"
-        ):  # profiles read attention_layer/attention, kda_layer/kda, ... (tools/profile_top.py)
+        ):  # profiles read attention_layer/attention, kda_layer/kda, ... (tools/bench/profile_top.py)
             x, kv = block(x, layer, angles, segment_ids, cfg)
             return x, (kv if cache is not None else None)
 

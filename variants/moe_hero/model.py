@@ -491,7 +491,9 @@ def attend(q, k, v, angles, segment_ids, is_global, cfg: ModelConfig):
     return jax.lax.cond(is_global, global_, local, q, k, v)
 
 
-@jax.named_scope("attention")  # profiles read moe_layer/attention, moe_layer/moe/experts, ... (tools/profile_top.py)
+@jax.named_scope(
+    "attention"
+)  # profiles read moe_layer/attention, moe_layer/moe/experts, ... (tools/bench/profile_top.py)
 def attention(x, layer, angles, segment_ids, is_global, cfg: ModelConfig, cache=None):
     """(x + the attention sub-block's output, {"k", "v"}: this layer's keys (after RoPE) and values
     [B, T, Hkv, hd], which prefill stores). With `cache` (decode_step: this layer's cached {"k", "v"}

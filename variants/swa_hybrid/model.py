@@ -393,7 +393,7 @@ def hidden_states(params, tokens, cfg: ModelConfig, *, segment_ids=None, cache=N
 
     def step(x, layer_and_kind):
         layer, is_global = layer_and_kind
-        with jax.named_scope("layer"):  # profiles read layer/attention, layer/mlp (tools/profile_top.py)
+        with jax.named_scope("layer"):  # profiles read layer/attention, layer/mlp (tools/bench/profile_top.py)
             x, kv = block(x, layer, angles, segment_ids, is_global, cfg)
             return x, (kv if cache is not None else None)
 

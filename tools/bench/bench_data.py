@@ -1,8 +1,8 @@
 """Data-path benchmark: tokenize throughput, loader speed against the CPU default's train step, and
 resident memory while reading a token store of several GB.
 
-    python tools/bench_data.py                      # all three (about 5 minutes on 2 CPU cores)
-    python tools/bench_data.py --store_gb 2 --skip_step
+    python tools/bench/bench_data.py                      # all three (about 5 minutes on 2 CPU cores)
+    python tools/bench/bench_data.py --store_gb 2 --skip_step
 
 1. Tokenize: the standard library's text as JSONL shards, `shared.pretokenize` with 1 worker and then
    2 workers (each one tokenizer thread), MB of UTF-8 text per second of wall time (median of --rounds).
@@ -27,7 +27,7 @@ import sys
 import time
 
 os.environ.setdefault("RAYON_NUM_THREADS", "1")  # one tokenizer thread per worker process
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402

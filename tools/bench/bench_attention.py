@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Time attention backends side by side in one process at one shape, forward and forward + backward.
 
-    python tools/bench_attention.py --shape 8,512,4,2,32                  # blocked against reference
-    python tools/bench_attention.py --shape 16,256,4,2,32 --window 64     # swa_hybrid's local layers
-    python tools/bench_attention.py --shape 32,128,4,2,32 --backends blocked@16,blocked@32,reference
-    python tools/bench_attention.py --help
+    python tools/bench/bench_attention.py --shape 8,512,4,2,32                  # blocked against reference
+    python tools/bench/bench_attention.py --shape 16,256,4,2,32 --window 64     # swa_hybrid's local layers
+    python tools/bench/bench_attention.py --shape 32,128,4,2,32 --backends blocked@16,blocked@32,reference
+    python tools/bench/bench_attention.py --help
 
 --shape is B,T,H,Hkv,D (batch, tokens, query heads, kv heads, head_dim); the call is causal,
 with a window if --window is given, soft-capping if --softcap is, and packed documents
@@ -35,7 +35,7 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
@@ -88,7 +88,7 @@ def spread(xs, scale=1.0, fmt="{:.2f}"):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python tools/bench_attention.py",
+        prog="python tools/bench/bench_attention.py",
         description=__doc__.split("\n\n")[0],
         epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,

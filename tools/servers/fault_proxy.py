@@ -1,6 +1,6 @@
 """An HTTP proxy on 127.0.0.1 that makes an object store misbehave the way real buckets do: a share of
 the requests answered 503 SlowDown (throttling), cut with a TCP reset, or held back before they go on.
-It stands between a run and the local S3 server (tools/local_objstore.py): point AWS_ENDPOINT_URL_S3 at
+It stands between a run and the local S3 server (tools/servers/local_objstore.py): point AWS_ENDPOINT_URL_S3 at
 the proxy instead of the server.
 
     with local_objstore.s3_server() as s3, fault_proxy(s3.endpoint, fail=0.1, seed=0) as proxy:
@@ -9,7 +9,7 @@ the proxy instead of the server.
         proxy.fail = 1.0; proxy.only = "step_00000004"  # from now on every request of that checkpoint fails
         proxy.counts                                    # {"requests": n, "503": n, "reset": n, "delay": n}
 
-    python tools/fault_proxy.py --upstream http://127.0.0.1:9000 --fail 0.3   # prints its URL, runs until ^C
+    python tools/servers/fault_proxy.py --upstream http://127.0.0.1:9000 --fail 0.3   # prints its URL, runs until ^C
 
 `fail` is the share of requests faulted, each with one of `kinds` drawn in equal parts: a 503 or a reset
 fails the request, a delay only holds it back (to fail every request, leave "delay" out of `kinds`).

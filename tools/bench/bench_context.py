@@ -17,10 +17,10 @@ pass: full attention all-gathers (c-1)/c of the row's K and V and moves T/c quer
 outputs back (the zigzag; at most, a half that stays on its device is not sent), a window's halo is W-1 tokens of K and V
 (independent of the row), KDA all-gathers c states [K, K+V] per head (and 3 conv tails of conv_size-1).
 
-    python tools/bench_context.py                                  # every variant, seq_len 8192, context 1 2 4
-    python tools/bench_context.py --folders variants/kda --seq_len 2048 --contexts 1,2
-    python tools/bench_context.py --table                          # a markdown table (docs/context-parallel.md)
-    python tools/bench_context.py --attention --seq_len 4096       # whole row vs zigzag (all-gather, ring), timed
+    python tools/bench/bench_context.py                                  # every variant, seq_len 8192, context 1 2 4
+    python tools/bench/bench_context.py --folders variants/kda --seq_len 2048 --contexts 1,2
+    python tools/bench/bench_context.py --table                          # a markdown table (docs/context-parallel.md)
+    python tools/bench/bench_context.py --attention --seq_len 4096       # whole row vs zigzag (all-gather, ring), timed
 
 Needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (or more) on CPU. Compiling at seq_len 8192
 takes a minute or two per folder and context size on 2 cores.
@@ -35,7 +35,7 @@ import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
@@ -239,7 +239,7 @@ def main(argv=None):
                 flush=True,
             )
     if args.table:
-        cmd = "python tools/bench_context.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        cmd = "python tools/bench/bench_context.py " + " ".join(argv if argv is not None else sys.argv[1:])
         print(
             f"\n`{cmd}` on {jax.device_count()} CPU devices, {datetime.date.today()}, seq_len {args.seq_len}, "
             "one row a step; MiB per device\n"

@@ -1,8 +1,8 @@
 """Every check one folder must pass, in one command, with each check's result, time and tier.
 
-    python tools/check_variant.py variants/my_idea          # both tiers (a few minutes on 2 cores)
-    python tools/check_variant.py variants/my_idea --fast   # the fast tier's checks only
-    python tools/check_variant.py variants/a variants/b     # several folders
+    python tools/review/check_variant.py variants/my_idea          # both tiers (a few minutes on 2 cores)
+    python tools/review/check_variant.py variants/my_idea --fast   # the fast tier's checks only
+    python tools/review/check_variant.py variants/a variants/b     # several folders
 
 What runs, for each folder (from the repository root, in the README's test venv):
 - pytest with `--folder <folder>` (conftest.py): every test that has the folder as a parameter (the contract
@@ -11,7 +11,7 @@ What runs, for each folder (from the repository root, in the README's test venv)
   hf.py, lm-eval's batch check, the docs rules of a folder in tests/test_docs.py) and the folder's own tests
   (variants/<name>/test_<name>.py). Selected by folder, not by a -k string, so a test id's suffix
   (`-2]`, `-default]`) cannot leave a check out;
-- the lineage: `tools/variant_diff.py <folder> --strict` (the declared parent exists and is the nearest
+- the lineage: `tools/review/variant_diff.py <folder> --strict` (the declared parent exists and is the nearest
   sibling in code);
 - the linter and the formatter: `ruff check <folder>`, `ruff format --check <folder>` (pyproject.toml).
 Then one line per check (a test function counts once, however many cases it has): its result, its
@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FAST_BUDGET_S = 30  # what a folder's long check (FAST_TIER in its train.py) may take in the fast tier, on 2 cores
 
 
@@ -94,7 +94,7 @@ def run_tool(cmd: list[str]) -> tuple[str, float, str]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
-        prog="python tools/check_variant.py",
+        prog="python tools/review/check_variant.py",
         description=__doc__.split("\n\n")[0],
         epilog="\n\n".join(__doc__.split("\n\n")[1:]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -140,10 +140,10 @@ def main(argv=None) -> int:
     rows = summarize(rec.tests)
     tool_rows = []
     for f in folders:
-        result, s, out = run_tool([sys.executable, "tools/variant_diff.py", f, "--strict"])
+        result, s, out = run_tool([sys.executable, "tools/review/variant_diff.py", f, "--strict"])
         tool_rows.append(
             (
-                f"lineage: tools/variant_diff.py {f} --strict",
+                f"lineage: tools/review/variant_diff.py {f} --strict",
                 result,
                 s,
                 "fast",

@@ -1,8 +1,8 @@
 """Every folder's first training losses, bit for bit, against a reference file: the proof that a change
 meant to move code (not to change behaviour) changed nothing a run computes.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tools/first_losses.py --check tests/reference/first_losses.json
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tools/first_losses.py --write tests/reference/first_losses.json
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tools/review/first_losses.py --check tests/reference/first_losses.json
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tools/review/first_losses.py --write tests/reference/first_losses.json
 
 Each folder of templates/ and variants/ trains STEPS steps at the contract's size (8 rows of 32 tokens,
 the folder's CONTRACT_TINY, data 4 x model 2 on 8 CPU devices) on a corpus this script writes (seeded
@@ -25,7 +25,7 @@ import sys
 import tempfile
 from importlib import metadata
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import jax  # noqa: E402
 
@@ -95,7 +95,7 @@ def measure() -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python tools/first_losses.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python tools/review/first_losses.py", description=__doc__.split("\n\n")[0])
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--write", metavar="FILE", help="measure and write the reference (a new file)")
     g.add_argument("--check", metavar="FILE", help="measure and compare with the reference; exit 1 on a difference")

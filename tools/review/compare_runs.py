@@ -43,9 +43,9 @@ import sys
 
 EXAMPLES = """\
 examples:
-  python tools/compare_runs.py /tmp/runs/dense /tmp/runs/my_idea --out /tmp/cmp-my_idea
-  python tools/compare_runs.py runs/dense-A runs/dense-B --out /tmp/cmp --labels lr3e-3,lr1e-3
-  python tools/compare_runs.py runs/A runs/B --out /tmp/cmp --metric eval/bpb --metric 'eval/*/bpb'
+  python tools/review/compare_runs.py /tmp/runs/dense /tmp/runs/my_idea --out /tmp/cmp-my_idea
+  python tools/review/compare_runs.py runs/dense-A runs/dense-B --out /tmp/cmp --labels lr3e-3,lr1e-3
+  python tools/review/compare_runs.py runs/A runs/B --out /tmp/cmp --metric eval/bpb --metric 'eval/*/bpb'
 
 Writes OUT/loss.png (train loss solid, val loss dashed, against optimizer step and
 against tokens seen = step x batch_size x seq_len, from RUN/config.json or the newest

@@ -1,6 +1,6 @@
 """How long an asynchronous checkpoint save blocks the train loop, and what it costs the steps
 that run while it writes (shared/checkpoint.py's Saver), for a local directory and for a local
-S3 server (moto, tools/local_objstore.py).
+S3 server (moto, tools/servers/local_objstore.py).
 
 For one dense train state (params + AdamW moments + step) it interleaves, round after round in
 one process:
@@ -13,12 +13,12 @@ one process:
 and prints medians: block / sync (goal <= 20%), and step time during a save / without one, with
 the fraction of those steps that actually overlapped the write.
 
-    python tools/bench_checkpoint.py                                 # CPU default config, local + s3
-    python tools/bench_checkpoint.py --config 100m --rounds 3        # ~100M parameters (1.2 GB of state)
-    python tools/bench_checkpoint.py --stores local                  # no S3 server
-    python tools/bench_checkpoint.py --faults 0,0.1,0.3 --rounds 5   # S3 behind tools/fault_proxy.py
+    python tools/bench/bench_checkpoint.py                                 # CPU default config, local + s3
+    python tools/bench/bench_checkpoint.py --config 100m --rounds 3        # ~100M parameters (1.2 GB of state)
+    python tools/bench/bench_checkpoint.py --stores local                  # no S3 server
+    python tools/bench/bench_checkpoint.py --faults 0,0.1,0.3 --rounds 5   # S3 behind tools/servers/fault_proxy.py
 
-With --faults, only synchronous saves to the S3 server are timed, through tools/fault_proxy.py faulting
+With --faults, only synchronous saves to the S3 server are timed, through tools/servers/fault_proxy.py faulting
 each given share of requests (503 SlowDown, a connection reset or a delay of --fault-delay-s, drawn in
 equal parts: the first two fail the request), one share after the other in each round; every request is retried within the budget
 of shared/objstore.py (STENCIL_STORE_RETRIES, its default unless set).
@@ -34,9 +34,9 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(ROOT, "tools", "servers"))  # fault_proxy, local_objstore
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -84,7 +84,7 @@ def main(argv=None):
         "--faults",
         default="",
         help="comma-separated shares of faulted requests (e.g. 0,0.1,0.3): "
-        "time synchronous S3 saves through tools/fault_proxy.py at each",
+        "time synchronous S3 saves through tools/servers/fault_proxy.py at each",
     )
     ap.add_argument(
         "--fault-delay-s", type=float, default=0.5, help="how long a delayed request is held (with --faults)"

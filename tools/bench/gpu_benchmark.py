@@ -3,9 +3,9 @@
 usable attention backend, in one table (tokens/s, MFU against the data-sheet peak, step time,
 peak device memory).
 
-    python tools/gpu_benchmark.py --out /tmp/gpubench             # the whole benchmark (< 8 min on an H200)
-    python tools/gpu_benchmark.py --dry-run                        # the plan only: jobs, backends, budget
-    python tools/gpu_benchmark.py --jobs dense:125m --backends cudnn,flash4
+    python tools/bench/gpu_benchmark.py --out /tmp/gpubench             # the whole benchmark (< 8 min on an H200)
+    python tools/bench/gpu_benchmark.py --dry-run                        # the plan only: jobs, backends, budget
+    python tools/bench/gpu_benchmark.py --jobs dense:125m --backends cudnn,flash4
     launch/gpu_benchmark.sh                                        # installs carried wheels first, then this
 
 Each job is a child process with its own time limit (`--job-timeout`), and the whole run has
@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # variant, preset, rows per step on one device (tokens per step = rows x the preset's seq_len)
 JOBS = [
@@ -55,8 +55,8 @@ def run_job(variant: str, preset: str, rows: int, backend: str, steps: int, flag
     """Compile and time `steps` train steps of one variant/preset/backend; the table's row."""
     import jax
 
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    from bench_step import setup, synthetic_batch, time_arm  # noqa: E402  (tools/bench_step.py)
+    sys.path.insert(0, os.path.join(ROOT, "tools", "bench"))
+    from bench_step import setup, synthetic_batch, time_arm  # noqa: E402  (tools/bench/bench_step.py)
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -202,7 +202,7 @@ def parse_jobs(spec: str | None):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python tools/gpu_benchmark.py",
+        prog="python tools/bench/gpu_benchmark.py",
         description=__doc__.split("\n\n")[0],
         epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -323,7 +323,7 @@ def main(argv=None) -> int:
         print(f"   {v} {p or '(CPU default)'} {b}: {row['status']} ({time.monotonic() - t0:.0f} s)", flush=True)
     text = table(rows)
     note = (
-        f"{info['device']}, one device; batch rows per job as in tools/gpu_benchmark.py JOBS; "
+        f"{info['device']}, one device; batch rows per job as in tools/bench/gpu_benchmark.py JOBS; "
         f"{a.steps} timed steps after one compile step; MFU against {rows[0].get('peak_src', 'the data-sheet peak') if rows else ''}."
     )
     print("\n" + text + "\n\n" + note)

@@ -14,7 +14,7 @@ Procedure.
    - `--rev REV`: the change made by commit REV; base = REV~1, theirs = REV.
    `--files` limits it to some of those files (paths inside FOLDER).
 2. The descendants. Every folder whose declared lineage (`COPIED_FROM` in its model.py,
-   read with `ast` by tools/variant_diff.py, never imported) passes through FOLDER, as the
+   read with `ast` by tools/review/variant_diff.py, never imported) passes through FOLDER, as the
    working tree declares it now, in lineage order: children, then grandchildren, ..., by
    name within a generation. `--to` limits them.
 3. The merge. For each descendant and each changed file, with the same path inside the
@@ -61,42 +61,29 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import importlib.util
 import os
 import subprocess
 import sys
 import tempfile
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(TOOLS)
+ROOT = os.path.dirname(os.path.dirname(TOOLS))
 CONTEXT = 3  # lines either side of a parent hunk in which the descendant's own edits are reported
 
-
-def _load_variant_diff():
-    """tools/variant_diff.py (for read_copied_from, discover and Repo), however we were started."""
-    name = "stencil_tools_variant_diff"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, os.path.join(TOOLS, "variant_diff.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # dataclasses look their module up here
-    spec.loader.exec_module(mod)
-    return mod
-
-
-vd = _load_variant_diff()
+sys.path.insert(0, TOOLS)  # lineage.py beside this file, however we were started
+import lineage as vd  # noqa: E402  (tools/review/lineage.py: read_copied_from, discover, Repo)
 
 EXAMPLES = """\
 examples:
   # 1. fix templates/base/train.py (uncommitted), then see what it does to every copy:
-  python tools/propagate.py templates/base
+  python tools/review/propagate.py templates/base
   # 2. write the clean merges into the descendants (conflicts are only reported):
-  python tools/propagate.py templates/base --apply
+  python tools/review/propagate.py templates/base --apply
   # the change made by one commit, only train.py, only two descendants, with a report:
-  python tools/propagate.py templates/base --rev 1a2b3c4 --files train.py \\
+  python tools/review/propagate.py templates/base --rev 1a2b3c4 --files train.py \\
       --to variants/dense,variants/kda --out /tmp/prop
   # the change between two revisions of variants/dense, into its own copies:
-  python tools/propagate.py variants/dense --rev main..my-fix
+  python tools/review/propagate.py variants/dense --rev main..my-fix
 
 verdicts: clean (merges cleanly; --apply writes it), already (the descendant already has
 it), conflict (N hunks printed with diff3 markers; not written), missing (the descendant

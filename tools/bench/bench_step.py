@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Time a variant's jitted train step against the plainest JAX step of the same math.
 
-    python tools/bench_step.py                                   # dense, CPU default config
-    python tools/bench_step.py --model.d_model 512 --model.head_dim 64 --model.d_ff 1536
-    python tools/bench_step.py --variant swa_hybrid --no-reference   # step time and peak fraction only
-    python tools/bench_step.py --variant swa_hybrid --attention-backends blocked,reference
-    python tools/bench_step.py --help
+    python tools/bench/bench_step.py                                   # dense, CPU default config
+    python tools/bench/bench_step.py --model.d_model 512 --model.head_dim 64 --model.d_ff 1536
+    python tools/bench/bench_step.py --variant swa_hybrid --no-reference   # step time and peak fraction only
+    python tools/bench/bench_step.py --variant swa_hybrid --attention-backends blocked,reference
+    python tools/bench/bench_step.py --help
 
 Flags this tool does not know go to the variant's TrainConfig, exactly as for its train.py
 (`--preset NAME` too). The step runs on one device.
@@ -42,7 +42,7 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
@@ -233,7 +233,7 @@ def ratios(a, b):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(
-        prog="python tools/bench_step.py",
+        prog="python tools/bench/bench_step.py",
         description=__doc__.split("\n\n")[0],
         epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,

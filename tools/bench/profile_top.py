@@ -1,8 +1,8 @@
 """The top ops of a captured profile, by self time, and the time per named scope.
 
     python variants/dense/train.py --profile_steps 20:24      # writes <run_dir>/profile
-    python tools/profile_top.py runs/dense-.../profile         # the table below
-    python tools/profile_top.py runs/dense-.../profile --top 30 --csv top.csv
+    python tools/bench/profile_top.py runs/dense-.../profile         # the table below
+    python tools/bench/profile_top.py runs/dense-.../profile --top 30 --csv top.csv
 
 Reads the newest `*.xplane.pb` under the directory (what `jax.profiler` writes; open the same
 directory in xprof or TensorBoard's profile plugin, `pip install xprof`, for the timeline). An

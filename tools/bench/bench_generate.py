@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Decoding with the cache against full recomputation, and the cache's memory, for every folder.
 
-    python tools/bench_generate.py                          # every folder: speed at 256 and 1024 new tokens, memory
-    python tools/bench_generate.py --variants dense,kda --new 256 --rounds 5
-    python tools/bench_generate.py --memory-only --lengths 1024,8192,65536
-    python tools/bench_generate.py --markdown               # the tables as the README shows them
+    python tools/bench/bench_generate.py                          # every folder: speed at 256 and 1024 new tokens, memory
+    python tools/bench/bench_generate.py --variants dense,kda --new 256 --rounds 5
+    python tools/bench/bench_generate.py --memory-only --lengths 1024,8192,65536
+    python tools/bench/bench_generate.py --markdown               # the tables as the README shows them
 
 Speed, in one process, on one device, each folder at its CPU default ModelConfig (random weights:
 the speed does not depend on them), `--batch` rows of a `--prompt-len`-token prompt:
@@ -35,7 +35,7 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 import draccus  # noqa: E402
@@ -217,7 +217,7 @@ def memory_table(results, lengths, markdown):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(
-        prog="python tools/bench_generate.py",
+        prog="python tools/bench/bench_generate.py",
         description=__doc__.split("\n\n")[0],
         epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -251,7 +251,7 @@ def main(argv=None):
             ap.error(f"unknown folder(s) {unknown}; folders: {folders}")
         folders = [by_name[v] for v in names]
     print(
-        f"{time.strftime('%Y-%m-%d')}: python tools/bench_generate.py {' '.join(sys.argv[1:] if argv is None else argv)}"
+        f"{time.strftime('%Y-%m-%d')}: python tools/bench/bench_generate.py {' '.join(sys.argv[1:] if argv is None else argv)}"
     )
     if not args.speed_only:
         mem = [r for f in folders for r in bench_memory(f, lengths)]
