@@ -9,6 +9,7 @@ run by lm-eval's own `hf` model against this adapter, document by document.
 
 import importlib.util
 import json
+import logging
 import math
 import os
 import shutil
@@ -252,13 +253,17 @@ def test_command_runs_the_offline_tasks(lm_eval_model, dense_run, tmp_path):
 
 
 @pytest.mark.integration  # lm-eval in the train loop (TaskManager, three tasks at every evaluation)
-def test_lm_eval_in_the_loop(lm_eval_model, tiny_dense, tmp_path, capsys):
-    """lm-eval's metrics on the eval cadence, in metrics.jsonl and on the console's eval line (metrics only)."""
+def test_lm_eval_in_the_loop(lm_eval_model, tiny_dense, tmp_path, capsys, caplog):
+    """lm-eval's metrics on the eval cadence, in metrics.jsonl and on the console's eval line (metrics only);
+    lm-eval's `--metadata` notice, which it logs at every evaluation, shows once."""
+    from shared.evals import harness
+
+    harness.ONCE.seen.clear()  # as in a new process
     out = tiny_dense.train.main(
         tiny_dense.config(
             tmp_path / "run",
             steps=2,
-            eval_every=2,
+            eval_every=1,
             save_every=0,
             lm_eval_tasks="stencil_mc,stencil_ppl",
             lm_eval_limit=4,
@@ -271,7 +276,29 @@ def test_lm_eval_in_the_loop(lm_eval_model, tiny_dense, tmp_path, capsys):
     assert last["eval/lm_eval/stencil_ppl/bits_per_byte"] > 0
     assert not [k for k in last if k.endswith("sample_len")], "lm-eval's sample count is no metric"
     shown = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("eval ")]
-    assert len(shown) == 1 and "lm_eval/stencil_mc/acc " in shown[0] and " bpb " in f" {shown[0]} ", shown
+    assert len(shown) == 2 and "lm_eval/stencil_mc/acc " in shown[-1] and " bpb " in f" {shown[-1]} ", shown
+    notices = [r for r in caplog.records if "--metadata" in r.getMessage()]
+    assert len(notices) == 1, [r.getMessage()[:80] for r in notices]
+
+
+def test_a_third_party_notice_shows_once_per_process(caplog):
+    """The filter on lm-eval's task logger: the same notice for another task is dropped; an error is not."""
+    from shared.evals import harness
+
+    harness.ONCE.seen.clear()
+    log = logging.getLogger("lm_eval.api.task")
+    with caplog.at_level(logging.WARNING):
+        for task in ("stencil_mc", "stencil_ppl", "stencil_mc"):
+            log.warning(f"{task}: Custom kwargs can be passed to `--metadata` in console")
+        log.warning("stencil_mc: another notice")
+        log.error("stencil_mc: a failure")
+        log.error("stencil_mc: a failure")
+    assert [r.getMessage() for r in caplog.records] == [
+        "stencil_mc: Custom kwargs can be passed to `--metadata` in console",
+        "stencil_mc: another notice",
+        "stencil_mc: a failure",
+        "stencil_mc: a failure",
+    ]
 
 
 def _samples(results, task):

@@ -33,6 +33,7 @@ from __future__ import annotations
 import difflib
 import glob
 import json
+import logging
 import os
 
 import jax
@@ -49,6 +50,27 @@ except ImportError:  # the `eval` extra is missing: --help still works, anything
     TemplateLM = object
 
 INSTALL = "this needs the lm-eval package: pip install -e '.[eval]' (docs/evaluation.md)"
+
+
+class OncePerProcess(logging.Filter):
+    """Lets a notice through the first time only. lm-eval logs "<task>: Custom kwargs can be passed to
+    `--metadata` ..." each time it loads a task with a custom dataset, which is every evaluation of a run;
+    the text after the task's name is the notice, and it is shown once per process."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        notice = record.getMessage().partition(": ")[2] or record.getMessage()
+        if record.levelno >= logging.ERROR or notice not in self.seen:
+            self.seen.add(notice)
+            return True
+        return False
+
+
+ONCE = OncePerProcess()
+logging.getLogger("lm_eval.api.task").addFilter(ONCE)  # where lm-eval's per-task notices come from
 
 
 class LMEvalError(StencilError, ValueError):
