@@ -35,7 +35,7 @@ import yaml
 from draccus.argparsing import ArgumentParser
 from draccus.help_formatter import SimpleHelpFormatter
 
-from shared import distributed, run
+from shared import distributed, guard, run
 from shared.errors import StencilError
 
 
@@ -195,7 +195,11 @@ def runs_settings(config, variant_dir: str) -> tuple[str, str] | None:
 
 
 def parse(config_cls, variant_dir: str, argv: list[str] | None = None):
-    """Parse argv into `config_cls`; exits with one clear line on a bad flag or invalid value."""
+    """Parse argv into `config_cls`; exits with one clear line on a bad flag or invalid value. Parsing the
+    process's own command line (`argv` None) also takes its stop signals: until the run's first step a
+    signal exits at once, nothing lost (shared/guard.py, StopSignals)."""
+    if argv is None and not {"-h", "--help"} & set(sys.argv[1:]):
+        guard.STOP = guard.StopSignals(starting=True)
     argv = list(sys.argv[1:] if argv is None else argv)
     log = logging.getLogger("stencil")  # shared/ logs its choices (e.g. the attention backend) here
     if not log.handlers:

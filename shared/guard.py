@@ -11,8 +11,15 @@
 - `StopSignals()`: SIGTERM (what schedulers send before they preempt), SIGINT (Ctrl-C) and
   SIGUSR1 (what SLURM sends with `--signal`) set a flag; the train loop finishes its
   current step, saves a checkpoint and exits with `EXIT_PREEMPTED`. A second signal exits
-  at once with the same code (the last checkpoint is intact; resume from it). `requested()`
-  is agreed by every process of a multi-process run, so they all stop at the same step.
+  at once, naming the last checkpoint (exit `EXIT_PREEMPTED`: resume from it) or saying that
+  none was saved (exit 128 + the signal's number). `requested()` is agreed by every process of
+  a multi-process run, so they all stop at the same step.
+  Before the loop's first step (`starting`: installed by the command line's parse, shared/cli.py,
+  until `Run.begin`) nothing is trained, so a signal exits at once, whatever runs (the data, the
+  first compilation): exit `EXIT_PREEMPTED` when the run continues a checkpoint (which the line
+  names), else 128 + the signal's number; a run directory this process created and left empty
+  is removed. (Before the parse, the train.py's imports, SIGINT has its default action: the
+  process ends, nothing written.)
 - `Watchdog(seconds, run_dir)`: a thread that aborts the process with `EXIT_HUNG` when no
   training step has completed for `seconds` (a stuck collective, a wedged device), after
   writing every thread's Python stack to stderr and to `<run_dir>/hang-<pid>.txt`. It is
@@ -60,6 +67,9 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
+STOP: StopSignals | None = None  # the process's own, from the command line's parse (cli.py) to the run's end
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -89,6 +99,7 @@ class RunLock:
                 raise
 
     def _take(self, run_dir: str) -> None:
+        self.created = None if os.path.isdir(run_dir) else run_dir  # removed on release if it is still empty
         os.makedirs(run_dir, exist_ok=True)
         me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
         for _ in range(2):
@@ -132,6 +143,11 @@ class RunLock:
             self.store_lock = None
         if self.held and (self._holder() or {}).get("pid") == os.getpid():
             os.remove(self.path)
+            if getattr(self, "created", None):  # a run that stopped before writing anything leaves no directory
+                try:
+                    os.rmdir(self.created)
+                except OSError:
+                    pass  # not empty: the run wrote in it
         self.held = False
         if self in _HELD:
             _HELD.remove(self)
@@ -212,32 +228,46 @@ class StoreLock:
 
 
 class StopSignals:
-    """Turns SIGTERM, SIGINT and SIGUSR1 into a request to stop after the current step."""
+    """Turns SIGTERM, SIGINT and SIGUSR1 into a request to stop after the current step (or, `starting`, before
+    the first step, into an exit at once)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
-    def __init__(self):
+    def __init__(self, starting: bool = False):
         self.signal: int | None = None
+        self.starting = starting  # before the loop's first step: nothing to save, a signal exits at once
+        self.resume_from: str | None = None  # the checkpoint the run continues, once found (Run)
+        self.last_saved = lambda: "none"  # the run's last complete checkpoint, "none" if none (Run.begin)
         self._previous = {}
         if threading.current_thread() is threading.main_thread():  # handlers only install there
             for s in self.SIGNALS:
                 self._previous[s] = signal.signal(s, self._handle)
 
     def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.starting:
+            if self.resume_from:
+                say(
+                    f"\n{name} before the first step: nothing trained or saved; the run still resumes from "
+                    f"{self.resume_from} (exit {EXIT_PREEMPTED})"
+                )
+                _exit_now(EXIT_PREEMPTED)
+            say(f"\n{name} before the first step: nothing trained or saved (exit {128 + signum})")
+            _exit_now(128 + signum)
         if self.signal is not None:
-            print(
-                f"\nsecond signal ({signal.Signals(signum).name}): exiting now, without saving; the last "
-                f"checkpoint is intact",
-                file=sys.stderr,
-                flush=True,
+            saved = self.last_saved()
+            if saved == "none":
+                say(f"\nsecond signal ({name}): exiting now; no checkpoint was saved (exit {128 + signum})")
+                _exit_now(128 + signum)
+            say(
+                f"\nsecond signal ({name}): exiting now, without saving this step; the last checkpoint, {saved}, "
+                f"is intact (exit {EXIT_PREEMPTED}: resume from it)"
             )
             _exit_now(EXIT_PREEMPTED)
         self.signal = signum
-        print(
-            f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint and exiting "
-            f"with code {EXIT_PREEMPTED} (a second signal exits at once)",
-            file=sys.stderr,
-            flush=True,
+        say(
+            f"\n{name}: finishing this step, then saving a checkpoint and exiting with code {EXIT_PREEMPTED} "
+            f"(a second signal exits at once)"
         )
 
     def requested(self) -> bool:
@@ -250,9 +280,16 @@ class StopSignals:
         return bool(np.any(multihost_utils.process_allgather(np.int32(mine))))
 
     def restore(self) -> None:
+        global STOP
         for s, h in self._previous.items():
             signal.signal(s, h)
         self._previous = {}
+        if STOP is self:
+            STOP = None
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 class Watchdog:

@@ -381,6 +381,8 @@ class Run:
         # Every refusal comes before anything is written, so that a refused run leaves no directory behind:
         guard.RunLock.refuse_if_held(self.run_dir)  # another run in it (said first)
         self._open(cfg)  # the checkpoint to continue, the data, the resume refusals: reads only
+        if guard.STOP is not None:  # the command line's: a signal before the first step names the checkpoint
+            guard.STOP.resume_from = self.checkpoint
         self.lock = guard.RunLock(self.run_dir, self.ckpt_dir)  # one run per directory (creates it)
         self.notes = []  # lines for the log once it is open
         try:
@@ -459,6 +461,8 @@ class Run:
         is recorded with the checkpoint, and a resume whose schedule differs there says so). A run that is
         complete already (a no-op resume) says so and does nothing else: no peak measured, no wandb run opened."""
         cfg, mesh, quiet = self.cfg, self.mesh, self.complete
+        self.stop = guard.STOP or guard.StopSignals()  # SIGTERM / SIGINT / SIGUSR1: finish the step, save, exit 75
+        self.stop.starting, self.stop.last_saved = False, lambda: checkpoint.latest_name(self.ckpt_dir)
         self.flops_per_token, self.schedule = flops_per_token, schedule
         self.peak, self.peak_src = (None, "") if quiet else flops.device_peak(cfg.model.compute_dtype)
         self.clock = Clock(cfg.batch_size * cfg.seq_len)
@@ -496,7 +500,6 @@ class Run:
         for note in filter(None, self.notes):
             self.write(note)
         self.saver = checkpoint.Saver()  # asynchronous saves, one in flight
-        self.stop = guard.StopSignals()  # SIGTERM / SIGINT / SIGUSR1: finish the step, save, exit 75
         self.watchdog = guard.Watchdog(cfg.watchdog_s, self.run_dir)
         self.profiler = Profiler(profile_range(cfg), self.run_dir)
         self.fetched = Fetch(self._last_good)

@@ -61,9 +61,11 @@ def test_sigterm_saves_exits_75_and_the_resume_is_bit_exact(tiny_dense, tmp_path
 
 
 SECOND_SIGNAL = """
-import os, signal, time
+import os, signal, sys, time
 from shared import guard
 stop = guard.StopSignals()
+if sys.argv[1] != "none":
+    stop.last_saved = lambda: sys.argv[1]
 os.kill(os.getpid(), signal.SIGUSR1)
 print("first", stop.signal == signal.SIGUSR1, stop.requested(), flush=True)
 os.kill(os.getpid(), signal.SIGTERM)
@@ -72,17 +74,72 @@ print("not reached", flush=True)
 """
 
 
-def test_a_second_signal_exits_at_once():
+@pytest.mark.parametrize("saved", ["ckpt/step_00000004", "none"])
+def test_a_second_signal_exits_at_once_and_names_what_was_saved(saved):
     out = subprocess.run(
-        [sys.executable, "-c", SECOND_SIGNAL],
+        [sys.executable, "-c", SECOND_SIGNAL, saved],
         capture_output=True,
         text=True,
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": ROOT},
         timeout=120,
     )
-    assert out.returncode == guard.EXIT_PREEMPTED and "first True True" in out.stdout, out
-    assert "not reached" not in out.stdout and "second signal (SIGTERM): exiting now" in out.stderr
+    assert "first True True" in out.stdout and "not reached" not in out.stdout, out
+    if saved == "none":  # nothing to resume: the signal's own code, and no claim of a checkpoint
+        assert out.returncode == 128 + signal.SIGTERM and "no checkpoint was saved" in out.stderr, out
+    else:
+        assert out.returncode == guard.EXIT_PREEMPTED, out
+        assert f"second signal (SIGTERM): exiting now, without saving this step; the last checkpoint, {saved}" in (
+            out.stderr
+        )
+
+
+def _until(what, proc, timeout=240):
+    t = time.time()
+    while not what():
+        if proc.poll() is not None or time.time() - t > timeout:
+            raise AssertionError(f"not reached (exit {proc.poll()}): {proc.communicate()[1][-3000:]}")
+        time.sleep(0.01)
+
+
+@pytest.mark.integration  # real processes, each signalled at one moment of its start
+def test_a_signal_at_any_moment_of_the_start_ends_cleanly(tiny_dense, tmp_path):
+    """Ctrl-C during the imports, while the run opens its data and compiles its init, during the first
+    step's compilation, twice there, and while a resume starts: no traceback, no empty run directory, exit
+    75 only where a checkpoint is there to resume (named)."""
+    long = ("--steps", "500", "--save_every", "0")
+
+    def signalled(run, when, *args, signals=1):
+        proc = start(tiny_dense, run, *long, *args)
+        when(proc)
+        for _ in range(signals):
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.05)
+        out, err = proc.communicate(timeout=240)
+        assert "Traceback" not in err and "Segmentation" not in err, err[-3000:]
+        return proc.returncode, out + err
+
+    # the imports (train.py's first lines give SIGINT its default action): the process ends, nothing written
+    code, _ = signalled(tmp_path / "imports", lambda proc: time.sleep(0.8))
+    assert code == -signal.SIGINT and not (tmp_path / "imports").exists()
+    # the run directory is there (the lock), the init compiles: exit at once, the directory gone
+    code, text = signalled(tmp_path / "start", lambda p: _until((tmp_path / "start").exists, p))
+    assert code == 128 + signal.SIGINT and "SIGINT before the first step: nothing trained or saved" in text, text
+    assert not (tmp_path / "start").exists()
+    # the first step compiles (Run.begin wrote run.json): the step ends, is saved, exit 75
+    run = tmp_path / "compile"
+    code, text = signalled(run, lambda p: _until((run / "run.json").exists, p))
+    assert code == guard.EXIT_PREEMPTED and "stopped by a signal after step 1" in text, text
+    assert checkpoint.read_metadata(checkpoint.latest(str(run / "checkpoints")))["step"] == 1
+    # twice there: exit at once, saying nothing was saved; what the run wrote stays
+    twice = tmp_path / "twice"
+    code, text = signalled(twice, lambda p: _until((twice / "run.json").exists, p), signals=2)
+    assert code == 128 + signal.SIGINT and "no checkpoint was saved" in text, text
+    assert (twice / "config.json").exists() and not (twice / "LOCK").exists()
+    # a resume, signalled once it has said what it resumes: exit 75, the checkpoint named and untouched
+    ckpt = checkpoint.latest(str(run / "checkpoints"))
+    code, text = signalled(run, lambda p: _until((run / "LOCK").exists, p), "--resume", "true")  # the lock: taken
+    assert code == guard.EXIT_PREEMPTED and ckpt in text and checkpoint.latest(str(run / "checkpoints")) == ckpt, text
 
 
 # ---------------------------------------------------------------- one run per directory

@@ -17,8 +17,12 @@ the tokenizer, wandb files and checkpoints/.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from dataclasses import dataclass, field
+
+if __name__ == "__main__":  # Ctrl-C during the imports below ends the process at once: nothing is written yet
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # (cli.parse takes the signals over: shared/guard.py)
 
 import jax
 import jax.numpy as jnp
