@@ -56,11 +56,11 @@ def flag_value(cmd: list[str], flag: str) -> str | None:
     return value
 
 
-# Exit codes of train.py (shared/guard.py): stopped on a signal after saving a checkpoint, and aborted
+# Exit codes of train.py (shared/runtime/guard.py): stopped on a signal after saving a checkpoint, and aborted
 # by the hang watchdog (stacks written). Both mean "start me again": the scheduler resumes the run.
 EXIT_PREEMPTED, EXIT_HUNG = 75, 70
 
-# A committed checkpoint, as shared/checkpoint.py names it: step_XXXXXXXX/metadata.json, its commit
+# A committed checkpoint, as shared/storage/checkpoint.py names it: step_XXXXXXXX/metadata.json, its commit
 # record (a partial save, or a `.tmp` / `.deleting` leftover, has none). train.py needs --resume true
 # exactly when one is there.
 CHECKPOINT_GLOB = "step_" + "[0-9]" * 8 + "/metadata.json"

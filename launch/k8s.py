@@ -6,7 +6,7 @@
 
 Each pod runs one process: JOB_COMPLETION_INDEX (set by Kubernetes for indexed Jobs) is
 the process id, STENCIL_COORDINATOR points at pod 0 through the headless service's DNS
-name, STENCIL_NUM_PROCESSES = N (see shared/distributed.py; no Kubernetes API access or
+name, STENCIL_NUM_PROCESSES = N (see shared/runtime/distributed.py; no Kubernetes API access or
 `kubernetes` package is needed). The image must hold this repository at --workdir and the
 run directory should be on a shared volume (add it to the pod spec). --kind jobset needs the
 JobSet controller. Not applied to a real cluster here.

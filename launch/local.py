@@ -3,7 +3,7 @@
     python launch/local.py --nproc 2 --devices 4 --variant dense -- --steps 20 --run_dir runs/local
 
 Each process gets STENCIL_COORDINATOR=127.0.0.1:<free port>, STENCIL_NUM_PROCESSES and
-STENCIL_PROCESS_ID (see shared/distributed.py) and either K fake CPU devices
+STENCIL_PROCESS_ID (see shared/runtime/distributed.py) and either K fake CPU devices
 (--platform cpu, the default: XLA_FLAGS=--xla_force_host_platform_device_count=K) or its
 share of this machine's GPUs (--platform gpu: CUDA_VISIBLE_DEVICES=i*K..i*K+K-1). Output is
 streamed line by line, prefixed with [pI]. If any process exits non-zero the others are
@@ -12,7 +12,7 @@ naming it.
 
 Preemption: SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 sent to this launcher are passed on to every
 process (they run in their own sessions, so a terminal's Ctrl-C reaches them only this way,
-once). The processes agree on a step, save a checkpoint and exit with 75 (shared/guard.py);
+once). The processes agree on a step, save a checkpoint and exit with 75 (shared/runtime/guard.py);
 then this exits with 75 too ("requeue": continue with --resume true). A second signal is
 passed on as well, and the processes exit at once. The GPU mode is not
 exercised by the tests (no GPU here).

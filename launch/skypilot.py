@@ -8,7 +8,7 @@
 SkyPilot syncs this repository as the workdir, installs it, and runs the command on every
 node with SKYPILOT_NODE_RANK, SKYPILOT_NUM_NODES and SKYPILOT_NODE_IPS set; the run script
 maps them to STENCIL_COORDINATOR (first node's IP), STENCIL_NUM_PROCESSES and
-STENCIL_PROCESS_ID (see shared/distributed.py). Not run on a real cloud here: UNVERIFIED.
+STENCIL_PROCESS_ID (see shared/runtime/distributed.py). Not run on a real cloud here: UNVERIFIED.
 
 Preemption and recovery (docs/launching.md), as in slurm.py and k8s.py: the run script adds
 --resume true exactly when <run_dir>/checkpoints holds a checkpoint and then `exec`s python (so

@@ -3,7 +3,7 @@
     python launch/slurm.py --nodes 2 --gpus-per-node 8 --variant dense --preset 125m -o job.sbatch -- --steps 5000
     sbatch job.sbatch
 
-Inside `srun`, shared/distributed.py hands start-up to JAX's SLURM detection (coordinator
+Inside `srun`, shared/runtime/distributed.py hands start-up to JAX's SLURM detection (coordinator
 = first node of the step, port from the job id; process id = SLURM_PROCID). One task per
 node sees all of its GPUs through JAX_LOCAL_DEVICE_IDS (or, with --tasks-per-node equal to
 --gpus-per-node, each task gets the GPU of its SLURM_LOCALID from JAX); on CPU nodes,
@@ -98,7 +98,7 @@ def script(args: argparse.Namespace) -> str:
         "  0) ;;",
         f"  {EXIT_PREEMPTED}|{EXIT_HUNG})",
         # srun has returned, so this run's process 0 is gone; an abort (hang, a second signal) leaves its
-        # LOCK behind, naming a node the requeued job may not get (shared/guard.py RunLock)
+        # LOCK behind, naming a node the requeued job may not get (shared/runtime/guard.py RunLock)
         '    rm -f "$RUN_DIR/LOCK"',
         '    if [ "${SLURM_RESTART_COUNT:-0}" -lt "$MAX_REQUEUES" ]; then',
         '      echo "stencil: train.py exited $rc; requeueing job $SLURM_JOB_ID to resume from $RUN_DIR" >&2',

@@ -2,7 +2,7 @@
 
     python launch/tpu_vm.py --name my-v5p-64 --zone us-east5-a --variant dense --preset 8b -- --steps 20000
 
-Every worker runs one process with STENCIL_DISTRIBUTED=auto, so shared/distributed.py
+Every worker runs one process with STENCIL_DISTRIBUTED=auto, so shared/runtime/distributed.py
 calls jax.distributed.initialize() with no arguments and JAX reads the slice's topology
 from the TPU metadata server. The repository must already be at --workdir on every worker
 (e.g. `gcloud compute tpus tpu-vm scp --recurse . NAME:~/stencil --worker=all`, then

@@ -12,7 +12,7 @@ the preset and flags given now on top; it says which settings the flags changed 
 change a resume cannot make). config.json is also a valid `--config_path` for a new run.
 
 Under a multi-process launcher (SLURM, Kubernetes, a TPU slice, launch/local.py; see
-shared/distributed.py) `parse` also starts JAX's distributed runtime, checks that every
+shared/runtime/distributed.py) `parse` also starts JAX's distributed runtime, checks that every
 process parsed the same config, and makes an uncaught exception on process i stop the run
 with "process i failed: ...".
 """
@@ -35,7 +35,8 @@ import yaml
 from draccus.argparsing import ArgumentParser
 from draccus.help_formatter import SimpleHelpFormatter
 
-from shared import distributed, guard, run
+from shared import run
+from shared.runtime import distributed, guard
 from shared.errors import StencilError
 
 
@@ -197,7 +198,7 @@ def runs_settings(config, variant_dir: str) -> tuple[str, str] | None:
 def parse(config_cls, variant_dir: str, argv: list[str] | None = None):
     """Parse argv into `config_cls`; exits with one clear line on a bad flag or invalid value. Parsing the
     process's own command line (`argv` None) also takes its stop signals: until the run's first step a
-    signal exits at once, nothing lost (shared/guard.py, StopSignals)."""
+    signal exits at once, nothing lost (shared/runtime/guard.py, StopSignals)."""
     if argv is None and not {"-h", "--help"} & set(sys.argv[1:]):
         guard.STOP = guard.StopSignals(starting=True)
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -21,7 +21,6 @@ import os
 import typing
 from typing import Callable
 
-from shared import objstore
 from shared.errors import StencilError
 
 
@@ -138,13 +137,4 @@ TRAIN_FIELDS: dict[str, Rule] = {
     "sample_tokens": at_least(0),
     "seed": at_least(0),
 }
-RUN_FIELDS: dict[str, Rule] = {
-    "log_every": positive,
-    "save_every": at_least(0),
-    "keep_checkpoints": positive,
-    "run_dir": path,
-    "checkpoint_dir": lambda v: v and objstore.location_error(v) or None,
-    "resume_from": step_or_path,
-    "watchdog_s": at_least(0),
-    "wandb": one_of("auto", "online", "offline", "disabled"),
-}  # the evaluation's fields: shared/evals/__init__.py's EVAL_FIELDS
+# The run's fields: shared/run.py's RUN_FIELDS; the evaluation's: shared/evals/__init__.py's EVAL_FIELDS.

@@ -6,13 +6,13 @@ and keeps its traceback. The subclasses live with the code that raises them:
 
     shared.config.ConfigError          a setting that cannot work (the message names the field)
     shared.optim.OptimError            a bad optimizer setting (a ConfigError)
-    shared.tokenstore.DataError        bad data input: the message names the file and the cause
-    shared.checkpoint.CheckpointError  a checkpoint that is missing, damaged, or cannot be written
-    shared.guard.RunLockError          the run directory is in use by another run
+    shared.storage.tokenstore.DataError        bad data input: the message names the file and the cause
+    shared.storage.checkpoint.CheckpointError  a checkpoint that is missing, damaged, or cannot be written
+    shared.runtime.guard.RunLockError          the run directory is in use by another run
     shared.run.TrainingError           the run cannot go on (a non-finite loss, a refused resume)
-    shared.hf.HFError                  a Hugging Face model that does not map onto a variant
+    shared.modelio.hf.HFError                  a Hugging Face model that does not map onto a variant
     shared.decode.GenerateError        generation that cannot run as asked (a prompt, the batch, a checkpoint)
-    shared.distributed.DistributedError  a multi-process launch that is set up wrongly
+    shared.runtime.distributed.DistributedError  a multi-process launch that is set up wrongly
     shared.kernels.KernelError         a kernel backend named explicitly that cannot run a call
 
 Each also derives from the builtin it was before (ValueError or RuntimeError), so existing

@@ -33,7 +33,7 @@ last prompt to a multiple of that axis, and the copies' rows are dropped. A mesh
 `context` (a run's, for train.py's samples) decodes with rows whole on every device (context.unsplit).
 
 The decoding is shared/decode.py (train.py's `sample()` calls the same `generate`); the weights,
-shared/trained.py. UNVERIFIED ON GPU: see shared/decode.py.
+shared/modelio/trained.py. UNVERIFIED ON GPU: see shared/decode.py.
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ import time
 
 import jax
 
-from shared import distributed
+from shared.runtime import distributed
 from shared.decode import GenerateError, Sampling, check_prompts, generate
-from shared.trained import add_mesh_flags, load_weights
+from shared.modelio.trained import add_mesh_flags, load_weights
 
 
 def _read_prompts(args) -> tuple[list[str], list[str]]:

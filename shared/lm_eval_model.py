@@ -42,12 +42,12 @@ import sys
 
 import jax
 
-from shared import distributed
+from shared.runtime import distributed
 from shared.config import ConfigError
 from shared.decode import GenerateError, rows_multiple
 from shared.errors import StencilError
 from shared.evals.harness import LMEvalError, StencilLM, need_lm_eval, check_tasks, task_manager
-from shared.trained import add_mesh_flags, load_weights
+from shared.modelio.trained import add_mesh_flags, load_weights
 
 
 def open_lm(args) -> tuple:

@@ -1,4 +1,4 @@
-"""Tokenize text into a token store (shared/tokenstore.py) that train.py reads with --data.source.
+"""Tokenize text into a token store (shared/storage/tokenstore.py) that train.py reads with --data.source.
 
     python -m shared.pretokenize 'corpus/*.jsonl.zst' --out /data/web --tokenizer tokenizer.json --workers 8
     python -m shared.pretokenize corpus/ --out /data/web --vocab_size 32768       # train a BPE first (one host)
@@ -31,8 +31,9 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from shared import objstore, sources, tokenstore
-from shared.tokenstore import DataError
+from shared.data import sources
+from shared.storage import objstore, tokenstore
+from shared.storage.tokenstore import DataError
 
 _worker: dict = {}
 

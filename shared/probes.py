@@ -17,7 +17,8 @@ import sys
 
 import numpy as np
 
-from shared import data, sources
+from shared import data
+from shared.data import sources
 from shared.config import ConfigError
 from shared.errors import StencilError
 from shared.evals.probes import KINDS, ProbeConfig, make_set, run_roles, set_names

@@ -47,9 +47,22 @@ from dataclasses import dataclass
 
 import jax
 
-from shared import checkpoint, data, distributed, flops, guard, kernels, metrics
-from shared.config import RUN_FIELDS, check_fields
+from shared import config, data, flops, kernels
+from shared.config import check_fields
+from shared.runtime import distributed, guard, metrics
+from shared.storage import checkpoint
 from shared.errors import StencilError
+
+RUN_FIELDS: dict[str, config.Rule] = {
+    "log_every": config.positive,
+    "save_every": config.at_least(0),
+    "keep_checkpoints": config.positive,
+    "run_dir": config.path,
+    "checkpoint_dir": lambda v: v and checkpoint.location_error(v) or None,
+    "resume_from": config.step_or_path,
+    "watchdog_s": config.at_least(0),
+    "wandb": config.one_of("auto", "online", "offline", "disabled"),
+}  # their ranges (shared/config.py's rules); the evaluation's: shared/evals/__init__.py's EVAL_FIELDS
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""shared/checkpoint: atomic saves, keep-last-N, restore onto other meshes, clear mismatches, no
+"""shared/storage/checkpoint: atomic saves, keep-last-N, restore onto other meshes, clear mismatches, no
 non-finite state saved, integrity (missing, truncated, altered files), safe deletion, a failing disk."""
 
 import os
@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shared import checkpoint
+from shared.storage import checkpoint
 
 from helpers import ckpt_tree, mesh  # noqa: E402  (tests/helpers.py)
 
@@ -224,7 +224,7 @@ def test_deleting_renames_first_so_a_killed_deletion_leaves_no_checkpoint(tmp_pa
 FULL_DISK = r"""
 import os, resource, signal, sys
 import jax, jax.numpy as jnp, numpy as np
-from shared import checkpoint
+from shared.storage import checkpoint
 d = sys.argv[1]
 small = {"w": jnp.ones((8, 8), jnp.float32)}
 first = checkpoint.save(d, 1, small, {})

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from shared import metrics
+from shared.runtime import metrics
 from shared.variant import ROOT, load
 
 TOOL = os.path.join(ROOT, "tools", "review", "compare_runs.py")

@@ -43,7 +43,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shared import cli, kernels, memory, weights
+from shared import cli, kernels, weights
+from shared.runtime import memory
 from shared.config import ConfigError
 from shared.variant import ROOT, discover, load
 
@@ -365,7 +366,7 @@ def _trace(train, cfg, n_devices):
 @pytest.mark.parametrize("variant,preset", PRESETS, ids=[f"{p}@{v}" for v, p in PRESETS])
 def test_trace_preset_at_scale(variant, preset):
     """Every preset's train step traces at its own batch, sequence length and mesh, and its estimated
-    memory per device (shared/memory.py) fits the device its header names (`# device: H100 80 GB`)."""
+    memory per device (shared/runtime/memory.py) fits the device its header names (`# device: H100 80 GB`)."""
     _, train = modules(variant)
     path = cli.presets(os.path.join(ROOT, variant))[preset]
     cfg = draccus.parse(train.TrainConfig, config_path=path, args=[])

@@ -1,4 +1,4 @@
-"""Tests for shared/data.py on small synthetic corpora (cache in tmp_path)."""
+"""Tests for shared/data/ on small synthetic corpora (cache in tmp_path)."""
 
 import json
 import re
@@ -6,7 +6,8 @@ import re
 import numpy as np
 import pytest
 
-from shared import data, sources
+from shared import data
+from shared.data import sources
 from shared.data import DataConfig, DataError, Loader, eval_batches, load_corpus, pack_rows
 
 from helpers import VOCAB, toy_split, write_corpus  # noqa: E402  (tests/helpers.py)

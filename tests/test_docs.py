@@ -239,10 +239,10 @@ def test_tool_flags_are_in_the_tools_help(doc, helps):
 def test_the_maps_name_every_module_and_tool():
     """AGENTS.md's map names every module of shared/ and every tool; a new one is added to it."""
     agents = text("AGENTS.md")
-    modules = [
-        os.path.relpath(p, os.path.join(ROOT, "shared"))
-        for pattern in ("*.py", "evals/*.py")
-        for p in glob.glob(os.path.join(ROOT, "shared", pattern))
+    modules = [  # every module of shared/ and its subpackages; kernels/ is named as one row
+        os.path.relpath(p, os.path.join(ROOT, "shared")).replace(os.sep, "/")
+        for p in glob.glob(os.path.join(ROOT, "shared", "**", "*.py"), recursive=True)
+        if os.sep + "kernels" + os.sep not in p
     ]
     missing = [m for m in modules if not m.endswith("__init__.py") and f"`{m}`" not in agents]
     tools = [os.path.relpath(p, ROOT).replace(os.sep, "/") for p in glob.glob(os.path.join(ROOT, "tools", "*", "*.py"))]
@@ -294,8 +294,8 @@ def test_ci_runs_the_readmes_test_command():
 
 
 def test_the_text_inputs_the_docs_list_are_the_accepted_ones():
-    """docs/data.md's inputs and README.md's `--data.source` comment list exactly shared/sources.TEXT_EXTS."""
-    from shared.sources import TEXT_EXTS
+    """docs/data.md's inputs and README.md's `--data.source` comment list exactly shared/data/sources.TEXT_EXTS."""
+    from shared.data.sources import TEXT_EXTS
 
     inputs = re.search(r"\*\*Inputs\*\*:(.*?)each input file", text("docs/data.md"), re.S).group(1)
     assert sorted(re.findall(r"`(\.[\w.]+)`", inputs)) == sorted(TEXT_EXTS), inputs

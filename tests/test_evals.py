@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 from helpers import mesh, sub_env
 
-from shared import data, decode, trained
+from shared import data, decode
+from shared.modelio import trained
 from shared import probes as probes_command
 from shared.evals import harness, probes
 from shared.config import ConfigError

@@ -3,7 +3,7 @@ server behind tools/servers/fault_proxy.py, both on 127.0.0.1), a process other 
 save in a 2-process run, and a soak of SIGKILLs at random moments.
 
 Every request the store is asked is retried by the driver within the budget STENCIL_STORE_RETRIES sets
-(shared/objstore.py); past it the run stops with one error naming the checkpoint, and the previous
+(shared/storage/objstore.py); past it the run stops with one error naming the checkpoint, and the previous
 checkpoint stays complete."""
 
 import os
@@ -15,7 +15,8 @@ import jax
 import numpy as np
 import pytest
 
-from shared import checkpoint, data, pretokenize
+from shared import data, pretokenize
+from shared.storage import checkpoint
 from shared.data import DataConfig, load_corpus
 from shared.variant import ROOT, load
 

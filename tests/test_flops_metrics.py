@@ -1,4 +1,4 @@
-"""shared/flops counts what the masks let through; shared/metrics writes what it is given."""
+"""shared/flops counts what the masks let through; shared/runtime/metrics writes what it is given."""
 
 import json
 import math
@@ -8,7 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from shared import flops, metrics
+from shared import flops
+from shared.runtime import metrics
 from shared.variant import ROOT, load
 
 

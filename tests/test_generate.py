@@ -20,7 +20,9 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from shared import checkpoint, data, sources
+from shared import data
+from shared.data import sources
+from shared.storage import checkpoint
 from shared import decode
 from shared import generate as gen
 from shared.variant import ROOT, load

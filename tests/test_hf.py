@@ -1,4 +1,4 @@
-"""Hugging Face export and import (each folder's hf.py, shared/hf.py), the same checks for every folder
+"""Hugging Face export and import (each folder's hf.py, shared/modelio/hf.py), the same checks for every folder
 that has an hf.py (found as the contract finds model.py + train.py):
 
 - export: the directory run by transformers (fp32, eager attention) gives stencil's logits, packed
@@ -31,9 +31,11 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
-from shared import checkpoint, data, decode, sources
+from shared import data, decode
+from shared.data import sources
+from shared.storage import checkpoint
 from shared.evals import probes
-from shared import hf as hfio
+from shared.modelio import hf as hfio
 from shared.variant import ROOT, discover, load
 
 from helpers import metric_rows  # noqa: E402  (tests/helpers.py)

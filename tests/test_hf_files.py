@@ -1,4 +1,4 @@
-"""The files of an exported Hugging Face directory (shared/hf.py's write_model_dir), without transformers:
+"""The files of an exported Hugging Face directory (shared/modelio/hf.py's write_model_dir), without transformers:
 what each JSON file holds, and that an existing directory is never overwritten. tests/test_hf.py runs
 the exported models in transformers itself (the integration tier)."""
 
@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from shared import hf, sources
+from shared.modelio import hf
+from shared.data import sources
 
 
 def test_model_dir_files(tmp_path):

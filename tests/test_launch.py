@@ -1,4 +1,4 @@
-"""launch/ and shared/distributed.py: a real 2-process x 4-device run on loopback whose
+"""launch/ and shared/runtime/distributed.py: a real 2-process x 4-device run on loopback whose
 checkpoint a single 8-device process resumes with the same losses, the generators' output,
 and failures that stop the whole run instead of hanging it."""
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
-from shared import checkpoint
+from shared.storage import checkpoint
 from shared.variant import ROOT, load
 
 from helpers import finish, losses, sub_env  # noqa: E402  (tests/helpers.py)
@@ -185,7 +185,7 @@ def test_unreachable_coordinator_times_out():
 
 
 def test_detect_modes(monkeypatch):
-    from shared import distributed
+    from shared.runtime import distributed
 
     for k in list(os.environ):
         if k.startswith(("STENCIL_", "SLURM_", "OMPI_", "TPU_")) or k == "JOB_COMPLETION_INDEX":

@@ -36,7 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from shared import checkpoint, data, run
+from shared import data, run
+from shared.storage import checkpoint
 from shared.evals import probes
 from shared.variant import ROOT, discover, load
 

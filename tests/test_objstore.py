@@ -1,4 +1,4 @@
-"""Checkpoints on object storage and asynchronous saves (shared/checkpoint.py, the train loop).
+"""Checkpoints on object storage and asynchronous saves (shared/storage/checkpoint.py, the train loop).
 
 Real servers on 127.0.0.1, started by session fixtures (tools/servers/local_objstore.py): moto's S3
 server and fake-gcs-server, which tensorstore's s3 and gcs drivers are pointed at. Each test
@@ -18,7 +18,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shared import checkpoint, guard
+from shared.runtime import guard
+from shared.storage import checkpoint
 from shared.variant import ROOT, load
 
 from helpers import ckpt_tree, losses, mesh, wait_for_step  # noqa: E402  (tests/helpers.py)

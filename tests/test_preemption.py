@@ -1,5 +1,5 @@
 """Runs that meet their surroundings: preemption signals, a second run in the same directory, a
-hung step, and resumes that would silently change the data (shared/guard.py, the train loop).
+hung step, and resumes that would silently change the data (shared/runtime/guard.py, the train loop).
 
 The signal and watchdog tests run variants/dense/train.py as a real process (a signal or an
 abort must not take pytest with it); the rest call main() in this process."""
@@ -16,7 +16,9 @@ import jax
 import numpy as np
 import pytest
 
-from shared import checkpoint, data, guard
+from shared import data
+from shared.runtime import guard
+from shared.storage import checkpoint
 from shared.run import TrainingError
 from shared.variant import ROOT, load
 
@@ -62,7 +64,7 @@ def test_sigterm_saves_exits_75_and_the_resume_is_bit_exact(tiny_dense, tmp_path
 
 SECOND_SIGNAL = """
 import os, signal, sys, time
-from shared import guard
+from shared.runtime import guard
 stop = guard.StopSignals()
 if sys.argv[1] != "none":
     stop.last_saved = lambda: sys.argv[1]

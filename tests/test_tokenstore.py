@@ -1,5 +1,5 @@
 """Token stores, the tokenize command, mixtures, process slicing, evaluation sets and bits per byte
-(shared/tokenstore.py, shared/pretokenize.py, shared/data.py). Stores live on a local path and on
+(shared/storage/tokenstore.py, shared/pretokenize.py, shared/data/). Stores live on a local path and on
 file:// (the object-store URL path through tensorstore's kvstore)."""
 
 import gzip
@@ -14,7 +14,9 @@ import time
 import numpy as np
 import pytest
 
-from shared import data, pretokenize, sources, tokenstore
+from shared import data, pretokenize
+from shared.data import sources
+from shared.storage import tokenstore
 from shared.data import DataConfig, DataError, Loader, MixtureLoader, eval_set, load_corpus
 from shared.variant import ROOT
 
@@ -513,7 +515,7 @@ def test_train_resumes_a_mixture_bit_exactly_and_logs_named_eval_sets(small_corp
     assert {"eval/loss", "eval/bpb", "eval/held/loss", "eval/held/bpb"} <= set(last)
     assert {"eval/s/loss", "eval/s/bpb", "eval/py/loss", "eval/py/bpb"} <= set(last)  # each source, by default
     assert 0 < last["eval/held/bpb"] < 20 and 0 < last["eval/s/bpb"] < 20 and 0 < last["eval/py/bpb"] < 20
-    from shared import checkpoint
+    from shared.storage import checkpoint
 
     meta = checkpoint.read_metadata(checkpoint.latest(str(tmp_path / "b" / "checkpoints")))
     assert meta["loader"]["weights"] == {"s": 0.25, "py": 0.75} and meta["loader"]["step"] == 4

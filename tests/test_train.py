@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from shared import checkpoint, data, flops, run
+from shared import data, flops, run
+from shared.storage import checkpoint
 from shared.variant import ROOT, load
 
 from helpers import arrays, wrap_step  # noqa: E402  (tests/helpers.py)

@@ -1,5 +1,5 @@
 """How long an asynchronous checkpoint save blocks the train loop, and what it costs the steps
-that run while it writes (shared/checkpoint.py's Saver), for a local directory and for a local
+that run while it writes (shared/storage/checkpoint.py's Saver), for a local directory and for a local
 S3 server (moto, tools/servers/local_objstore.py).
 
 For one dense train state (params + AdamW moments + step) it interleaves, round after round in
@@ -21,7 +21,7 @@ the fraction of those steps that actually overlapped the write.
 With --faults, only synchronous saves to the S3 server are timed, through tools/servers/fault_proxy.py faulting
 each given share of requests (503 SlowDown, a connection reset or a delay of --fault-delay-s, drawn in
 equal parts: the first two fail the request), one share after the other in each round; every request is retried within the budget
-of shared/objstore.py (STENCIL_STORE_RETRIES, its default unless set).
+of shared/storage/objstore.py (STENCIL_STORE_RETRIES, its default unless set).
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ import numpy as np  # noqa: E402
 
 import fault_proxy  # noqa: E402
 import local_objstore  # noqa: E402
-from shared import checkpoint, cli, objstore  # noqa: E402
+from shared import cli  # noqa: E402
+from shared.storage import checkpoint, objstore
 from shared.variant import load  # noqa: E402
 
 CONFIGS = {

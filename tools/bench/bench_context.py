@@ -5,7 +5,7 @@ For each folder and each context size it compiles (never runs) the folder's own 
 CPU devices (mesh data 1 x context c x model 1, one row of --seq_len tokens a step) and reads:
   temp      XLA's compiled memory analysis: temporaries per device (the activations the step keeps
             and its scratch), the number that context parallelism divides;
-  residuals shared/memory.py's estimate of what the backward pass keeps (per device);
+  residuals shared/runtime/memory.py's estimate of what the backward pass keeps (per device);
   gathered  the result bytes per device of the all-gather and collective-permute ops in the compiled
             program's text, where the body of a loop is counted once (so a scanned stack of layers
             counts one layer, both branches of a `lax.cond` count, and a remat recompute counts
@@ -42,7 +42,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
-from shared import memory  # noqa: E402
+from shared.runtime import memory  # noqa: E402
 from shared.variant import load  # noqa: E402
 
 FOLDERS = ("variants/dense", "variants/swa_hybrid", "variants/kda", "variants/moe_hero")

@@ -32,8 +32,10 @@ sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
 
-from shared import data, objstore, pretokenize, sources, tokenstore  # noqa: E402
-from shared.tokenstore import DataError  # noqa: E402
+from shared import data, pretokenize  # noqa: E402
+from shared.data import sources
+from shared.storage import objstore, tokenstore
+from shared.storage.tokenstore import DataError  # noqa: E402
 
 
 def rss_mb() -> float:

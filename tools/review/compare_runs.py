@@ -18,7 +18,7 @@ resume a step can appear twice, and the last row for a step wins) this writes:
                     tokens/s then); and for each --metric, every run's final and lowest value
 
 Tokens seen at step s = s * batch_size * seq_len, read from RUN/config.json (written by
-shared/metrics.py's Logger) or, when that is missing, from the newest
+shared/runtime/metrics.py's Logger) or, when that is missing, from the newest
 RUN/checkpoints/step_*/metadata.json. A run with neither is plotted against step only, and
 summary.md and stderr say so. The parameter count comes from the newest checkpoint's leaf
 shapes (the `params.*` leaves), so it is known only for runs with a checkpoint.
@@ -63,7 +63,7 @@ or has a line that is not a JSON object with an integer "step" (also bad --label
 --metric that no run logged).
 """
 
-_STEP_DIR = re.compile(r"^step_(\d{8})$")  # as in shared/checkpoint.py
+_STEP_DIR = re.compile(r"^step_(\d{8})$")  # as in shared/storage/checkpoint.py
 PNG, MD = "loss.png", "summary.md"
 TOKENS_NOTE = (
     "Tokens seen at step s = s × batch_size × seq_len (rows per optimizer step × tokens per row), "

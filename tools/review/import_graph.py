@@ -2,10 +2,12 @@
 
     python tools/review/import_graph.py                 # depth, cycles, the longest chain
     python tools/review/import_graph.py --module run    # and the shared modules shared/run.py imports
+    python tools/review/import_graph.py --packages      # the graph of shared/'s subpackages and top modules
 
 Every `import` and `from ... import` of a shared module counts, at the top of a file or inside a function
 (a function-local import is a dependency too, only a hidden one). Depth is the number of modules in the
-longest chain of imports. tests/test_layout.py holds the limits.
+longest chain of imports. With --packages a subpackage (shared/data/, shared/storage/, ...) is one node: the
+architecture's layers, commands at the top. tests/test_layout.py holds the limits.
 """
 
 from __future__ import annotations
@@ -49,6 +51,18 @@ def graph(package: str = "shared") -> dict[str, set[str]]:
     return {m: imports(m, mods) for m in mods}
 
 
+def packages(g: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The graph with each subpackage one node (shared.storage.objstore -> shared.storage); top modules stay."""
+
+    def node(m):
+        return ".".join(m.split(".")[:2])
+
+    out: dict[str, set[str]] = {}
+    for m, deps in g.items():
+        out.setdefault(node(m), set()).update(node(d) for d in deps if node(d) != node(m))
+    return out
+
+
 def cycles(g: dict[str, set[str]]) -> list[list[str]]:
     found, state = [], {}
 
@@ -83,10 +97,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python tools/review/import_graph.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--package", default="shared")
     p.add_argument("--module", default="", help="also list what this module of the package imports (e.g. run)")
+    p.add_argument("--packages", action="store_true", help="each subpackage as one node (the layers)")
     args = p.parse_args(argv)
     g = graph(args.package)
+    if args.packages:
+        g = packages(g)
     loops = cycles(g)
-    print(f"{args.package}: {len(g)} modules, {sum(map(len, g.values()))} imports")
+    what = "modules and subpackages" if args.packages else "modules"
+    print(f"{args.package}: {len(g)} {what}, {sum(map(len, g.values()))} imports")
     if loops:
         print("cycles: " + "; ".join(" -> ".join(c) for c in loops))
         return 1

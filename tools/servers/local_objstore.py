@@ -10,7 +10,7 @@ binary), each started as a child process and stopped on exit, whatever happens.
 The variables are inherited by child processes (a train.py started inside the block talks to
 the same server). tensorstore's gcs driver reads TENSORSTORE_GCS_HTTP_URL for its endpoint and
 GOOGLE_AUTH_TOKEN_FOR_TESTING for a token; its s3 driver takes the endpoint in its spec, which
-shared/checkpoint.py fills from AWS_ENDPOINT_URL_S3.
+shared/storage/checkpoint.py fills from AWS_ENDPOINT_URL_S3.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ Import refuses, naming the config field, what this model cannot compute: RoPE sc
 partial rotary, biases, another activation, attention dropout, and any tensor it has no
 place for. A packed row's positions restart per document (`model.positions`); in
 transformers pass them as `position_ids` (without an attention mask) for the same logits.
-This file is the model-specific half; the files themselves are shared/hf.py's.
+This file is the model-specific half; the files themselves are shared/modelio/hf.py's.
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import AxisType
 
-from shared import checkpoint
-from shared import hf as hfio
-from shared.hf import HFError, refuse
+from shared.storage import checkpoint
+from shared.modelio import hf as hfio
+from shared.modelio.hf import HFError, refuse
 from shared.variant import sibling
 
 model = sibling(__file__, "model")

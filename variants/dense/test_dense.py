@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from shared import hf as hfio
+from shared.modelio import hf as hfio
 from shared.variant import load
 
 HERE = os.path.dirname(os.path.abspath(__file__))  # this folder: a copy's tests test the copy

@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass, field
 
 if __name__ == "__main__":  # Ctrl-C during the imports below ends the process at once: nothing is written yet
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # (cli.parse takes the signals over: shared/guard.py)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # (cli.parse takes the signals over: shared/runtime/guard.py)
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +30,8 @@ import optax
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shared import cli, data, decode, evals, guard, optim, run
+from shared import cli, data, decode, evals, optim, run
+from shared.runtime import guard
 from shared.config import TRAIN_FIELDS, check, check_fields
 from shared.errors import StencilError
 from shared.kernels import context
@@ -45,7 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 @dataclass
 class TrainConfig(run.RunConfig, evals.EvalConfig):
     model: model.ModelConfig = field(default_factory=model.ModelConfig)  # the architecture (model.py)
-    data: data.DataConfig = field(default_factory=data.DataConfig)  # what it trains and evaluates on (shared/data.py)
+    data: data.DataConfig = field(default_factory=data.DataConfig)  # what it trains and evaluates on (shared/data/)
     seq_len: int = 128  # tokens per row
     batch_size: int = 32  # rows per optimizer step, over all devices
     grad_accum: int = 1  # micro-batches per step (batch_size must divide)

@@ -19,7 +19,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shared import flops, kernels
-from shared.hf import HFError
+from shared.modelio.hf import HFError
 from shared.variant import load
 
 from decode_check import decode_against_forward  # noqa: E402  (tests/decode_check.py)

@@ -1,6 +1,6 @@
 """The data's settings (`--data.*`) and the parsing of a source or evaluation list: below both halves of
-the data (shared/sources.py builds stores, shared/data.py reads them), which import it. The meaning of
-each form is shared/data.py's docstring."""
+the data (shared/data/sources.py builds stores, shared/data/ reads them), which import it. The meaning of
+each form is shared/data/'s docstring."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 
 from shared.config import check
-from shared.tokenstore import DataError
+from shared.storage.tokenstore import DataError
 
 NAME = re.compile(r"^([A-Za-z_][A-Za-z0-9_.-]*)=(.+)$")
 
@@ -22,7 +22,7 @@ def _check(ok: bool, name: str, why: str) -> None:
 @dataclass(frozen=True)
 class DataConfig:
     # "stdlib"; text paths/globs (comma-separated); one .npy; a token store (folder or URL); or a mixture
-    # name=path@weight,... (see shared/data.py)
+    # name=path@weight,... (see shared/data/)
     source: str = "stdlib"
     weights: dict[str, float] = field(default_factory=dict)  # mixture weights by source name (YAML form); {} = @w / 1
     eval: str = ""  # extra evaluation sets: name=path,... (token stores or text sources)

@@ -47,7 +47,7 @@ import time
 import jax
 import numpy as np
 
-from shared import objstore
+from shared.storage import objstore
 from shared.errors import StencilError
 
 EXIT_PREEMPTED = 75
@@ -183,7 +183,7 @@ def in_use(run_dir: str, holder: dict) -> RunLockError:
 
 
 class StoreLock:
-    """`<location>/LOCK` as an object in any storage tensorstore reaches (shared/checkpoint's
+    """`<location>/LOCK` as an object in any storage tensorstore reaches (shared/storage/checkpoint's
     locations), created and taken over by conditional writes. Held until `release()`."""
 
     def __init__(self, location: str):

@@ -1,7 +1,7 @@
 """Storage locations and the bytes under them: local folders and object stores, through tensorstore.
 
-One module for every place stencil reads or writes keys: checkpoints (shared/checkpoint.py), token
-stores (shared/tokenstore.py) and run locks (shared/guard.py). No JAX here.
+One module for every place stencil reads or writes keys: checkpoints (shared/storage/checkpoint.py), token
+stores (shared/storage/tokenstore.py) and run locks (shared/runtime/guard.py). No JAX here.
 
 A location is a local path, `file://PATH`, `gs://BUCKET[/PREFIX]` or `s3://BUCKET[/PREFIX]` (and, to
 read only, `http(s)://...`, which tensorstore's http driver opens). Every operation goes through

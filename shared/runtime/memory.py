@@ -1,6 +1,6 @@
 """Per-device memory of a train step, estimated from shapes alone (nothing is allocated).
 
-    from shared import memory
+    from shared.runtime import memory
     est = memory.estimate(abstract_state, loss, abstract_micro_batch, grad_accum=cfg.grad_accum)
     print(memory.report(est))   # params 2.1 GB, grads 2.1 GB, optimizer 4.2 GB, activations 31.0 GB, ...
 

@@ -1,12 +1,12 @@
 """Data at run time: token stores -> packed rows of seq_len+1 tokens, one source or a weighted mixture.
 
-Every input goes through a token store (shared/tokenstore.py: shards of token ids, document
+Every input goes through a token store (shared/storage/tokenstore.py: shards of token ids, document
 boundaries and a manifest). A store made by `python -m shared.pretokenize` is read as it is; the
 built-in default (`stdlib`: the running interpreter's standard library, so nothing is ever
 downloaded), text files and a `.npy` of token ids are tokenized once into a store in the cache by
-shared/sources.py (the offline part: reading documents, tokenizers, building stores), so a second
+shared/data/sources.py (the offline part: reading documents, tokenizers, building stores), so a second
 load is fast. Rows are read from the store on demand: nothing loads a whole store. This module holds
-the run-time part (the data config and its parsing are shared/data_config.py): opening a corpus, packing rows, the loaders, evaluation sets and
+the run-time part (the data config and its parsing are shared/data/config.py): opening a corpus, packing rows, the loaders, evaluation sets and
 bits per byte.
 
 `--data.source` names one source (`stdlib`; comma-separated paths/globs of text files; one .npy;
@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shared import sources
-from shared.data_config import DataConfig, parse_eval, parse_sources  # noqa: F401  (data.DataConfig)
-from shared.tokenstore import DataError, TokenStore  # noqa: F401  (DataError is data.DataError)
+from shared.data import sources
+from shared.data.config import DataConfig, parse_eval, parse_sources  # noqa: F401  (data.DataConfig)
+from shared.storage.tokenstore import DataError, TokenStore  # noqa: F401  (DataError is data.DataError)
 
 
 @dataclass

@@ -34,7 +34,8 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from shared import checkpoint, sources
+from shared.data import sources
+from shared.storage import checkpoint
 from shared.errors import StencilError
 
 
@@ -264,7 +265,7 @@ def rope_theta(hf: dict, default: float) -> float:
 
 
 def tokenizer_eos(tokenizer_path: str) -> tuple[str, int]:
-    """(the end-of-document token, its id) of a tokenizer.json: the first of shared/data.py's candidates it has."""
+    """(the end-of-document token, its id) of a tokenizer.json: the first of shared/data/'s candidates it has."""
     from tokenizers import Tokenizer
 
     try:
@@ -320,7 +321,7 @@ def write_model_dir(
         write_json(os.path.join(tmp, "config.json"), {**config, **ids})
         write_json(os.path.join(tmp, "generation_config.json"), ids)  # no max_length: see the docstring
         shutil.copyfile(tokenizer_path, os.path.join(tmp, "tokenizer.json"))
-        # stencil adds no BOS and ends every document with eos (shared/data.py)
+        # stencil adds no BOS and ends every document with eos (shared/data/)
         write_json(
             os.path.join(tmp, "tokenizer_config.json"),
             {

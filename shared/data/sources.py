@@ -1,4 +1,4 @@
-"""Sources -> token stores: the offline part of the data (shared/data.py reads what this builds).
+"""Sources -> token stores: the offline part of the data (shared/data/ reads what this builds).
 
 Reading documents (the standard library, text / JSONL / Parquet files, compressed or not), training
 or loading a tokenizer, and tokenizing a source once into a token store in the cache (keyed by a
@@ -26,9 +26,9 @@ import zlib
 import numpy as np
 from tqdm import tqdm
 
-from shared import objstore, tokenstore
-from shared.data_config import DataConfig
-from shared.tokenstore import DataError, TokenStore
+from shared.storage import objstore, tokenstore
+from shared.data.config import DataConfig
+from shared.storage.tokenstore import DataError, TokenStore
 
 
 FORMAT_VERSION = 2

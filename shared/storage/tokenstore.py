@@ -33,7 +33,7 @@ import json
 
 import numpy as np
 
-from shared import objstore
+from shared.storage import objstore
 from shared.errors import StencilError
 
 FORMAT = "stencil-token-store"

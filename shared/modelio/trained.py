@@ -20,8 +20,9 @@ import os
 import jax
 import numpy as np
 
-from shared import checkpoint, sources
-from shared import hf as hfio
+from shared.data import sources
+from shared.storage import checkpoint
+from shared.modelio import hf as hfio
 from shared.data import DataError
 from shared.decode import GenerateError
 from shared.variant import ROOT, discover, load
