@@ -182,9 +182,15 @@ def main(argv=None) -> int:
     for nodeid, (_, seconds, tier, _) in rec.tests.items():
         name = long_checks.get(check_name(nodeid))
         if name and tier == "fast" and seconds > FAST_BUDGET_S:
+            busy = max(load, os.getloadavg()[0]) > (os.cpu_count() or 1)
             notes.append(
                 f"{strip_group(nodeid)} took {seconds:.0f} s in the fast tier, over the {FAST_BUDGET_S} s a folder's long "
-                f'check may take there: drop "{name}" from FAST_TIER in its train.py (docs/testing.md)'
+                + (
+                    f"check may take there, but on a busy machine (load average above {os.cpu_count()}): measure again "
+                    f'on a quiet one before you drop "{name}" from FAST_TIER in its train.py (docs/testing.md)'
+                    if busy
+                    else f'check may take there: drop "{name}" from FAST_TIER in its train.py (docs/testing.md)'
+                )
             )
     print(
         f"\nchecks of {', '.join(folders)} ({'the fast tier' if args.fast else 'both tiers'}; "

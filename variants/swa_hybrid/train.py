@@ -1,6 +1,6 @@
 """Train the swa_hybrid variant (sliding-window local layers, periodic global layers).
 
-    python variants/swa_hybrid/train.py                    # CPU default: 3-5 minutes on 2 cores
+    python variants/swa_hybrid/train.py                    # CPU default: about 3 minutes on 2 idle cores
     python variants/swa_hybrid/train.py --preset 1b_8k     # an accelerator shape (presets/*.yaml)
     python variants/swa_hybrid/train.py --resume true      # continue the newest run of this variant
     python variants/swa_hybrid/train.py --help             # every setting
