@@ -236,3 +236,36 @@ def test_split_tells_an_axis_divided_between_devices_from_one_over_a_mesh_axis_o
             assert [split(xs, 0), split(xs, -1)] == want, shape
             both = jax.device_put(x, NamedSharding(mesh, P(("data", "model"), None)))
             assert split(both, 0) == (shape != (1, 1)) and not split(both, 1), shape
+
+
+def test_kda_inputs_divided_unlike_each_other_are_named_and_whole_axes_pass():
+    """kda, which a copy calls directly, names the input divided between devices unlike q and the spec it
+    expects (g's heads whole while q's are split over `model` of 2), instead of failing deep inside the chunked
+    kernel. A difference on a mesh axis of one device is no difference (the axis is whole everywhere): such
+    calls compute, as on the one-device meshes of a variant's own tests. (Attention and the short convolution
+    need no check: JAX reshards their mismatched inputs and computes, below.)"""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from shared.kernels import kda as kda_mod
+
+    def inputs(mesh, g_spec):
+        put = lambda x, *s: jax.device_put(x, NamedSharding(mesh, P(*s)))  # noqa: E731
+        q = put(jnp.ones((8, 8, 2, 4)), "data", None, "model")
+        return q, put(jnp.ones((8, 8, 2, 4)), *g_spec), put(jnp.ones((8, 8, 2)), "data", None, "model")
+
+    split = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    with jax.set_mesh(split):
+        q, g, beta = inputs(split, ("data", None, None))
+        with pytest.raises(
+            kda_mod.KDAError,
+            match=r"^kda: g is sharded P\('data', None, None, None\) and q P\('data', None, 'model', None\).* "
+            r"expected g P\('data', None, 'model', None\)",
+        ):
+            kda_mod.kda(q, q, q, g, beta)
+        assert kernels.attention(q, g, g).shape == q.shape  # k, v unlike q: resharded by JAX, computed
+    whole = jax.make_mesh((8, 1), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    with jax.set_mesh(whole):  # `model` has one device: g's whole heads are q's
+        q, g, beta = inputs(whole, ("data", None, None))
+        out, _ = kda_mod.kda(q, q, q, g * 0 - 1, beta * 0.5)
+        assert out.shape == q.shape

@@ -209,6 +209,40 @@ def spec(x):
     return s + (None,) * (x.ndim - len(s))
 
 
+def divided(x) -> tuple:
+    """x's spec with only the mesh axes of more than one device: what each axis of x is divided over.
+    P('data', None, 'model') on a mesh whose `model` axis has size 1 is ('data', None, None)."""
+    sizes = jax.sharding.get_abstract_mesh().shape
+
+    def over(s):
+        names = tuple(a for a in (s if isinstance(s, tuple) else (s,)) if s is not None and sizes[a] > 1)
+        return None if not names else names[0] if len(names) == 1 else names
+
+    return tuple(over(s) for s in spec(x))
+
+
+def check_alike(op: str, ref_name: str, ref, others: dict, error=KernelError) -> None:
+    """Raise `error` naming the input and the spec expected when an input is divided between devices unlike
+    `ref` on the axes they share: `others` maps a name to (array or None, {its axis: ref's axis}, the axes'
+    names). Only mesh axes of more than one device count (`divided`): an axis sharded over a size-1 mesh axis
+    is whole everywhere, and JAX computes such calls. Where the division differs, XLA stops at the first
+    operation that mixes the two, naming no argument ("All operands should have the same sharding ...")."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return
+    want, full = divided(ref), spec(ref)
+    for name, (x, axes, labels) in others.items():
+        if x is None or all(divided(x)[a] == want[b] for a, b in axes.items()):
+            continue
+        expected = list(spec(x))
+        for a, b in axes.items():
+            expected[a] = full[b]
+        raise error(
+            f"{op}: {name} is sharded {P(*spec(x))} and {ref_name} {P(*full)}; {name}'s {labels} must be divided "
+            f"between devices as {ref_name}'s: expected {name} {P(*expected)} "
+            f"(jax.sharding.reshard({name}, {P(*expected)}))"
+        )
+
+
 def check_specs(where: str, tree: dict, specs: dict, error=KernelError) -> None:
     """Raise `error` naming the leaf and both specs when a leaf of `tree` (a model's decoding cache) is not
     sharded as `specs` (its cache_specs) says, under an explicit mesh: a hand-built cache otherwise fails deep

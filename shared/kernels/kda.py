@@ -90,7 +90,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from shared.errors import StencilError
-from shared.kernels.dispatch import named, per_shard, spec
+from shared.kernels.dispatch import check_alike, named, per_shard, spec
 
 IMPLS = ("xla", "pallas", "pallas_interpret")
 PALLAS_BLOCK = 16  # sub-block of the Pallas kernel: tl.dot needs every dimension >= 16
@@ -124,6 +124,8 @@ def _check(q, k, v, g, beta, initial_state, segment_ids, chunk_size, impl):
         raise KDAError(f"segment_ids must be [B, T] = {(B, T)}, got {segment_ids.shape}")
     if chunk_size < 1 or chunk_size & (chunk_size - 1):
         raise KDAError(f"chunk_size must be a power of two, got {chunk_size}")
+    lead = ({0: 0, 1: 1, 2: 2}, "rows, positions and heads (axes 0-2)")  # as q's, on axes of more than one device
+    check_alike("kda", "q", q, {"k": (k, *lead), "v": (v, *lead), "g": (g, *lead), "beta": (beta, *lead)}, KDAError)
     if impl not in IMPLS:
         raise KDAError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl != "xla":
