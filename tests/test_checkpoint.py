@@ -152,15 +152,17 @@ def _two_checkpoints(tmp_path):
 def test_list_command_names_committed_checkpoints_and_their_damage(tmp_path, capsys):
     """`python -m shared.checkpoint list DIR` (the launchers' resume check): exit 0 and one line per
     committed checkpoint, a damaged one marked; 1 when there is none; 2 for a location it cannot use."""
+    from shared import checkpoint as command  # the command; its library is shared/storage/checkpoint.py
+
     src, first, second, chunks = _two_checkpoints(tmp_path)
     chunks[0].unlink()
     capsys.readouterr()
-    assert checkpoint.main(["list", str(tmp_path)]) == 0
+    assert command.main(["list", str(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == first and out[1].startswith(second + "  DAMAGED: arrays/w/") and len(out) == 2, out
-    assert checkpoint.main(["list", "--quiet", str(tmp_path)]) == 0 and capsys.readouterr().out == ""
-    assert checkpoint.main(["list", str(tmp_path / "empty")]) == 1
-    assert checkpoint.main(["list", "ftp://host/x"]) == 2 and "gs://BUCKET" in capsys.readouterr().err
+    assert command.main(["list", "--quiet", str(tmp_path)]) == 0 and capsys.readouterr().out == ""
+    assert command.main(["list", str(tmp_path / "empty")]) == 1
+    assert command.main(["list", "ftp://host/x"]) == 2 and "gs://BUCKET" in capsys.readouterr().err
 
 
 def test_a_missing_chunk_is_an_error_never_zeros(tmp_path):
