@@ -196,6 +196,21 @@ def _select_folders(config, items):
     items[:] = keep
 
 
+def _tier_by_folder(items):
+    """A test's folder says its tier (docs/testing.md): tests/integration/ is the integration tier, whatever a
+    test's own marks say; tests/fast/ holds none of it (a test marked integration there is refused, naming where
+    it goes); tests/contract/ and a folder's own tests take the tier each folder's FAST_TIER gives."""
+    misplaced = []
+    for item in items:
+        rel = os.path.relpath(str(item.path), ROOT).replace(os.sep, "/")
+        if rel.startswith("tests/integration/"):
+            item.add_marker(pytest.mark.integration)
+        elif rel.startswith("tests/fast/") and item.get_closest_marker("integration"):
+            misplaced.append(item.nodeid)
+    if misplaced:
+        raise pytest.UsageError(f"marked integration but in tests/fast/ (move them to tests/integration/): {misplaced}")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Under `-n 2` (docs/testing.md) the contract's checks of one folder share one compiled TinyRun
@@ -205,6 +220,7 @@ def pytest_collection_modifyitems(config, items):
     on one worker each, so their servers start once and their timed waits are not starved by a
     second multi-process test. With --folder, only that folder's checks are kept."""
     _select_folders(config, items)
+    _tier_by_folder(items)
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         module = item.module.__name__.rsplit(".", 1)[-1]

@@ -8,7 +8,7 @@ Inside `srun`, shared/runtime/distributed.py hands start-up to JAX's SLURM detec
 node sees all of its GPUs through JAX_LOCAL_DEVICE_IDS (or, with --tasks-per-node equal to
 --gpus-per-node, each task gets the GPU of its SLURM_LOCALID from JAX); on CPU nodes,
 --tasks-per-node N --cpu-devices K runs N processes with K XLA CPU devices each. Written for a
-generic SLURM site. tests/test_slurm.py runs it on a real single-node SLURM (CPU: 2 tasks x 4
+generic SLURM site. tests/integration/test_slurm.py runs it on a real single-node SLURM (CPU: 2 tasks x 4
 devices, a preemption with requeue and resume, a task killed); the GPU lines are UNVERIFIED.
 
 Preemption and requeue (docs/launching.md): `#SBATCH --signal=USR1@<--signal-lead>` makes SLURM

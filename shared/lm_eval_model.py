@@ -30,7 +30,7 @@ the same answers; only process 0 prints and writes. moe_hero: the padding of a b
 like any token (forward has no mask), so a padded row can take expert capacity from real tokens when
 the capacity factor is tight; its scores can differ slightly with the batch.
 
-UNVERIFIED ON GPU: this has run on CPU only (tests/test_evals.py).
+UNVERIFIED ON GPU: this has run on CPU only (tests/fast/test_evals.py).
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ MUON_ROLES = ("matrix", "expert_matrix")  # orthogonalised by muon / muonh; the 
 DECAY_ROLES = ("matrix", "expert_matrix", "router", "embedding", "unembedding", "conv", "gain")
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # Jordan et al.'s quintic: fast growth of small singular values
 # Documented band: after `ns_steps` = 5 iterations, every singular value of the input above
-# NS_FLOOR times its largest one ends in [NS_BAND[0], NS_BAND[1]] (tests/test_optim.py checks it).
+# NS_FLOOR times its largest one ends in [NS_BAND[0], NS_BAND[1]] (tests/fast/test_optim.py checks it).
 NS_BAND, NS_FLOOR = (0.6, 1.25), 1e-2
 
 

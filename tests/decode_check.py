@@ -1,6 +1,6 @@
 """A helper for the variants' own decoding tests (variants/<variant>/test_<variant>.py): prefill and greedy decoding
 with a folder's cache against `forward` on the same rows. The contract's check of every folder is
-tests/test_contract.py's check_decoding (on its tiny run)."""
+tests/contract/test_contract.py's check_decoding (on its tiny run)."""
 
 import jax
 import numpy as np

@@ -23,8 +23,8 @@ FAST_CHECKS = ("loop", "context")  # the long per-folder checks a folder's FAST_
 
 def fast_tier(folder: str) -> tuple:
     """The long checks `folder`'s train.py keeps in the fast tier (its FAST_TIER, read with ast, never
-    imported; none when it has no FAST_TIER): "loop" (tests/test_loop.py, the loop with every feature on),
-    "context" (tests/test_contract.py, the row split over context 2). The others run in the integration tier,
+    imported; none when it has no FAST_TIER): "loop" (tests/contract/test_loop.py, the loop with every feature on),
+    "context" (tests/contract/test_contract.py, the row split over context 2). The others run in the integration tier,
     so a copy adds to the fast tier only what its parent kept there, and a new folder nothing."""
     import ast
 

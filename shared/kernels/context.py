@@ -40,7 +40,7 @@ boundary keep their positions, masks and resets.
 Every entry point with a `context` axis of size 1 (or no such axis, or no mesh) is exactly the
 kernel it wraps, with the backend asked for. Under context parallelism only the XLA reference
 runs inside (each device's part is an ordinary call); `refusal` names a backend that cannot.
-Each path is checked on CPU devices against the unsharded call (tests/test_context.py) and in
+Each path is checked on CPU devices against the unsharded call (tests/contract/test_context.py) and in
 every variant by the contract (logits, loss and gradients with context 2 and 4).
 UNVERIFIED ON GPU: the collectives and per-device kernels here never ran on a GPU.
 """

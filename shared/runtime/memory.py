@@ -13,7 +13,7 @@ The parts, each per device (every array's bytes divided by the mesh axes its sha
 - batch: the step's input arrays.
 Not counted: XLA's temporaries inside one op or one layer's recompute, fragmentation, and the
 runtime's own reserve. On the CPU default of dense the total is within a few percent of XLA's
-compiled memory analysis (tests/test_contract.py compares them); `fits` keeps `HEADROOM` of the
+compiled memory analysis (tests/contract/test_contract.py compares them); `fits` keeps `HEADROOM` of the
 device free for what is not counted.
 """
 

@@ -55,7 +55,7 @@ Each process writes only the shards it holds, into chunks shaped like those shar
 multi-process saves never write the same chunk twice. Restoring takes target shardings:
 each process reads only the slices its devices need, so a checkpoint restores onto any mesh
 shape or device count. (Tested with two processes: to the local S3 server in
-tests/test_launch.py, to a local directory under SLURM in tests/test_slurm.py.)
+tests/fast/test_launch.py, to a local directory under SLURM in tests/integration/test_slurm.py.)
 """
 
 from __future__ import annotations

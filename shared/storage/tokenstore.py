@@ -22,7 +22,7 @@ process's resident memory); a URL's shards are read with ranged kvstore reads. O
 the manifest against every shard's size (a missing or truncated shard is an error naming it);
 `check_ids` checks the largest token id recorded for each shard against the vocabulary.
 
-The URL path is tested on `file://` and on a local S3-compatible server (tests/test_tokenstore.py);
+The URL path is tested on `file://` and on a local S3-compatible server (tests/fast/test_tokenstore.py);
 gs:// goes through the same kvstore calls; neither has been run against a real bucket (UNVERIFIED).
 """
 

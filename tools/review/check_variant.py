@@ -6,9 +6,9 @@
 
 What runs, for each folder (from the repository root, in the README's test venv):
 - pytest with `--folder <folder>` (conftest.py): every test that has the folder as a parameter (the contract
-  in tests/test_contract.py with decoding and the row split over context 2 and 4, the train loop in
-  tests/test_loop.py, the optimizers' loss test, Hugging Face in tests/test_hf.py where the folder has an
-  hf.py, lm-eval's batch check, the docs rules of a folder in tests/test_docs.py) and the folder's own tests
+  in tests/contract/test_contract.py with decoding and the row split over context 2 and 4, the train loop in
+  tests/contract/test_loop.py, the optimizers' loss test, Hugging Face in tests/fast/test_hf.py where the folder has an
+  hf.py, lm-eval's batch check, the docs rules of a folder in tests/fast/test_docs.py) and the folder's own tests
   (variants/<name>/test_<name>.py). Selected by folder, not by a -k string, so a test id's suffix
   (`-2]`, `-default]`) cannot leave a check out;
 - the lineage: `tools/review/variant_diff.py <folder> --strict` (the declared parent exists and is the nearest
@@ -58,7 +58,7 @@ def strip_group(nodeid: str) -> str:
 
 
 def check_name(nodeid: str) -> str:
-    """tests/test_contract.py::test_step[variants/kda] -> test_contract.py::test_step."""
+    """tests/contract/test_contract.py::test_step[variants/kda] -> test_contract.py::test_step."""
     path, _, rest = strip_group(nodeid).partition("::")
     return f"{os.path.basename(path)}::{rest.split('[')[0]}"
 

@@ -10,7 +10,7 @@ words: no download, no dependence on the Python version's standard library), wit
 sample at the end. The losses are written as exact hex floats. Bit-identity holds for the same versions
 of JAX, jaxlib and tokenizers on the same kind of CPU; the file records them, and `--check` says when
 they differ instead of comparing (regenerate the reference from the commit before the change).
-tests/test_first_losses.py runs `--check`.
+tests/integration/test_first_losses.py runs `--check`.
 """
 
 from __future__ import annotations

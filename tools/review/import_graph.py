@@ -7,7 +7,7 @@
 Every `import` and `from ... import` of a shared module counts, at the top of a file or inside a function
 (a function-local import is a dependency too, only a hidden one). Depth is the number of modules in the
 longest chain of imports. With --packages a subpackage (shared/data/, shared/storage/, ...) is one node: the
-architecture's layers, commands at the top. tests/test_layout.py holds the limits.
+architecture's layers, commands at the top. tests/fast/test_layout.py holds the limits.
 """
 
 from __future__ import annotations

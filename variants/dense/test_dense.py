@@ -1,5 +1,5 @@
 """dense's own cases. Its Hugging Face mapping (variants/dense/hf.py, LlamaForCausalLM) runs the checks
-every hf.py gets in tests/test_hf.py; here, what dense's import refuses, each with its own message."""
+every hf.py gets in tests/fast/test_hf.py; here, what dense's import refuses, each with its own message."""
 
 import os
 

@@ -2,7 +2,7 @@
 each kind here), the blockwise windowed reference attention against the dense masked one,
 soft-capping, sharding, and the variant's options (a backend each for local and global layers).
 
-The contract (tests/test_contract.py) already checks causality and document isolation, but
+The contract (tests/contract/test_contract.py) already checks causality and document isolation, but
 at T=32 < window=64; here they are checked again with a window shorter than the row.
 """
 
@@ -429,7 +429,7 @@ def test_decoding_matches_forward(over):
 
 
 # ---------------------------------------------------------------- its Hugging Face mapping (Qwen3ForCausalLM)
-# tests/test_hf.py runs the checks every hf.py gets; these are swa_hybrid's own: what its export and import
+# tests/fast/test_hf.py runs the checks every hf.py gets; these are swa_hybrid's own: what its export and import
 # refuse, and the layer pattern it reads.
 
 

@@ -108,7 +108,7 @@ class TrainConfig(run.RunConfig, evals.EvalConfig):
         )
 
 
-# What the contract test (tests/test_contract.py) runs on 8 CPU devices: the CPU default at 32
+# What the contract test (tests/contract/test_contract.py) runs on 8 CPU devices: the CPU default at 32
 # tokens a row and 8 rows on a data x model = 4 x 2 mesh, with these overrides on top ("model": {...}
 # for ModelConfig fields). A copy that adds a path the default never reaches at that size (a window
 # shorter than the row, several chunks, another mesh axis) sets it here, so the contract runs it.
@@ -231,7 +231,7 @@ def make_eval_step(cfg: TrainConfig):
 def batch_spec(leading: int = 0) -> P:
     """PartitionSpec of a batch array [*leading axes, rows, T]: rows over `data`, each row's tokens over
     `context` when the current mesh splits rows (shared/kernels/context.py). The loop and the contract test
-    (tests/test_contract.py) both place batches with it, under the run's mesh."""
+    (tests/contract/test_contract.py) both place batches with it, under the run's mesh."""
     return P(*([None] * leading), "data", context.axis())
 
 

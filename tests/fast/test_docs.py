@@ -314,7 +314,7 @@ def test_a_variant_without_hf_py_says_so_in_its_readme(folder):
     and links docs/huggingface.md. The rule is the folder's alone: a copy on a branch passes it without
     touching the top-level docs (their rows come when the variant is proposed for main, step 9)."""
     if os.path.isfile(os.path.join(ROOT, folder, "hf.py")):
-        pytest.skip(f"{folder} has an hf.py (tests/test_hf.py checks it)")
+        pytest.skip(f"{folder} has an hf.py (tests/fast/test_hf.py checks it)")
     readme = os.path.join(folder, "README.md")
     assert os.path.isfile(os.path.join(ROOT, readme)), (
         f"{folder}: no README.md (its '## Hugging Face' section says why there is no hf.py)"

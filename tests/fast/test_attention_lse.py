@@ -88,7 +88,7 @@ def close(a, b, tol, what):
     assert err < tol, f"{what}: max error {err:.2e}"
 
 
-@pytest.mark.parametrize("backend", ["reference", "pallas"])  # blocked: tests/test_kernel_backends.py
+@pytest.mark.parametrize("backend", ["reference", "pallas"])  # blocked: tests/fast/test_kernel_backends.py
 @pytest.mark.parametrize("case", list(CASES))
 def test_lse_is_logsumexp_of_the_masked_logits(case, backend, pallas_on_cpu):
     B, T, H, Hkv, D, kw, segments = CASES[case]

@@ -927,7 +927,7 @@ LONG_CONTEXT = pytest.mark.integration(reason="a long compile: the model's gradi
 def test_context_parallel_is_exact(variant, context):
     """Context 2 in the fast tier for the folders whose train.py keeps "context" in FAST_TIER
     (tests/helpers.fast_tier; the mixers kda and moe_hero split are checked there on their own,
-    tests/test_context.py); every folder at 2 and 4 in the integration tier."""
+    tests/contract/test_context.py); every folder at 2 and 4 in the integration tier."""
     check_context_parallel(tiny_run(variant), context)
 
 

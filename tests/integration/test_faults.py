@@ -249,7 +249,7 @@ def test_process_1_killed_in_the_middle_of_a_save(two, tmp_path):
     print(f"\nprocess 1 killed mid-save: process 0 exited {took:.0f} s later with {p0.returncode}")
     assert p0.returncode != 0 and took < 60, out0[-3000:]
     # JAX's coordination service names it (task 1 = process 1) and aborts process 0; launch/local.py would
-    # also print "process 1 was killed by SIGKILL" (tests/test_launch.py)
+    # also print "process 1 was killed by SIGKILL" (tests/fast/test_launch.py)
     assert "The following tasks are unhealthy (stopped sending heartbeats):\n1\n" in out0, out0[-3000:]
     two.fail, two.kinds, two.delay_s = 0.0, fault_proxy.KINDS, 0.05
     assert [os.path.basename(c) for c in checkpoint.all_checkpoints(url)] == ["step_00000002"]

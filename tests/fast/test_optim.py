@@ -11,7 +11,6 @@ from jax.sharding import PartitionSpec as P
 from shared import optim
 from shared.weights import Weight, init_params, normal, ones, zeros
 
-LONG = pytest.mark.integration  # a slow case of a parametrized check (the other cases stay in the fast tier)
 
 L, E, D, F, V = 4, 4, 16, 24, 32
 
@@ -158,46 +157,6 @@ def test_orthogonalize_moves_fan_axes():
 
 
 # ---------------------------------------------------------------- optimizers
-
-
-# 20-150 s each on 2 cores: the integration tier (the fast tier's test_optim cases check each optimizer's
-# update rule and sharding specs on their own)
-@pytest.mark.parametrize(
-    "name,expert",
-    [pytest.param(n, True, marks=LONG) for n in optim.OPTIMIZERS]
-    + [pytest.param("muon", False, marks=LONG), pytest.param("adamh", False, marks=LONG)],
-)
-def test_sharded_equals_one_device(name, expert):
-    """Three steps on data x expert x model = 2x2x2 (with experts: every optimizer) and on data x model =
-    4x2 (dense: Newton-Schulz and the Adam hyperball) equal the same steps on one device, to fp32
-    tolerance; the optimizer state keeps the weights' specs."""
-    mesh = mesh_of((2, 2, 2), ("data", "expert", "model")) if expert else mesh_of((4, 2), ("data", "model"))
-    d = decl(expert)
-    one, _ = run(d, name, 3)
-    many, state = run(d, name, 3, mesh)
-    for a, b in zip(one, many):
-        jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=2e-5, atol=2e-6), a, b)
-    specs = optim.state_specs(d, name)
-    got = jax.tree.map(lambda x: x.sharding.spec, state)
-    assert jax.tree.structure(got) == jax.tree.structure(specs)
-    for g, s in zip(jax.tree.leaves(got), jax.tree.leaves(specs)):
-        assert tuple(g) + (None,) * (len(s) - len(g)) == tuple(s) + (None,) * (len(g) - len(s)), (name, g, s)
-
-
-@pytest.mark.parametrize("name", [pytest.param("muonh", marks=LONG), pytest.param("adamh", marks=LONG)])  # 20-75 s each
-def test_hyperball_keeps_every_matrix_norm(name):
-    d = decl(expert=True)
-    init = jax.tree.map(np.asarray, init_params(d, jax.random.key(0), "float32"))
-    before = None
-    for params in run(d, name, 4)[0]:
-        for key in ("w_in", "w_out", "ex_up"):
-            w = d["layers"][key]
-            axes = (w.fan_in, w.fan_out)
-            r0 = np.linalg.norm(init["layers"][key], axis=axes)
-            np.testing.assert_allclose(np.linalg.norm(params["layers"][key], axis=axes), r0, rtol=1e-5)
-        if before is not None:  # and they move
-            assert not np.allclose(params["layers"]["w_in"], before)
-        before = params["layers"]["w_in"]
 
 
 @pytest.mark.parametrize("name", optim.OPTIMIZERS)

@@ -1,5 +1,5 @@
 """The files of an exported Hugging Face directory (shared/modelio/hf.py's write_model_dir), without transformers:
-what each JSON file holds, and that an existing directory is never overwritten. tests/test_hf.py runs
+what each JSON file holds, and that an existing directory is never overwritten. tests/fast/test_hf.py runs
 the exported models in transformers itself (the integration tier)."""
 
 import json

@@ -13,16 +13,11 @@ test, so a new one is run or explained. In the integration tier: about twenty sh
 import glob
 import os
 import shlex
-import subprocess
-import sys
 
-import pytest
 
-from shared import cli
-from shared import probes
-from shared.variant import ROOT, load
+from shared.variant import ROOT
 
-from helpers import fenced, sub_env  # noqa: E402  (tests/helpers.py)
+from helpers import fenced  # noqa: E402  (tests/helpers.py)
 
 DOCS = ["README.md"] + sorted(
     os.path.relpath(p, ROOT)
@@ -79,13 +74,13 @@ PRESET_MODEL = [
 PROBE_WRITE_SIZE = ["--n", "64"]
 
 NOT_RUN = {
-    "variants/dense/train.py --help": "not a run (tests/test_docs.py runs every command's --help)",
-    "variants/my_idea/train.py --steps 50 --run_dir /tmp/runs/my_idea": "a copy the reader makes first (cp -r); tests/test_contract.py checks such copies",
-    "variants/dense/train.py --data.source my_corpus/*.jsonl": "the reader's own data (tests/test_data.py reads JSONL)",
+    "variants/dense/train.py --help": "not a run (tests/fast/test_docs.py runs every command's --help)",
+    "variants/my_idea/train.py --steps 50 --run_dir /tmp/runs/my_idea": "a copy the reader makes first (cp -r); tests/contract/test_contract.py checks such copies",
+    "variants/dense/train.py --data.source my_corpus/*.jsonl": "the reader's own data (tests/fast/test_data.py reads JSONL)",
     "variants/dense/train.py --data.source /data/web": "the reader's own data",
     "variants/dense/train.py --data.source web=/data/web@0.7,code=/data/code@0.3 --data.eval "
-    "wiki=/data/wiki_val,py=held_out/*.py": "the reader's own data (tests/test_data.py evaluates named sets)",
-    "variants/dense/train.py --init_from hf:DIR --steps 1000": "DIR is the reader's Hugging Face model (tests/test_hf.py starts runs from one)",
+    "wiki=/data/wiki_val,py=held_out/*.py": "the reader's own data (tests/fast/test_data.py evaluates named sets)",
+    "variants/dense/train.py --init_from hf:DIR --steps 1000": "DIR is the reader's Hugging Face model (tests/fast/test_hf.py starts runs from one)",
 }
 
 
@@ -105,54 +100,6 @@ def lines(doc: str) -> list[list[str]]:
 
 def trains(argv) -> bool:
     return argv[0].endswith("/train.py")
-
-
-def model_size(script: str) -> list[str]:
-    """The folder's CONTRACT_TINY model fields as flags (a window shorter than 32 tokens, kda's chunks)."""
-    own = load(os.path.join(ROOT, script)).CONTRACT_TINY.get("model", {})
-    return [x for k, v in own.items() for x in (f"--model.{k}", str(v))]
-
-
-@pytest.mark.integration  # about twenty short runs of every folder's train.py
-@pytest.mark.parametrize("doc", [d for d in DOCS if any(trains(a) and " ".join(a) not in NOT_RUN for a in lines(d))])
-def test_every_documented_training_command_runs(doc, tmp_path):
-    tmp = str(tmp_path)
-    ran, first_dirs = [], {}  # the commands run; the bare command's run directory, by script
-    for argv in lines(doc):
-        argv = [a.replace("/tmp/", tmp + "/") for a in argv]
-        if argv[:3] == ["-m", "shared.probes", "write"]:
-            assert probes.main(argv[2:] + PROBE_WRITE_SIZE) == 0, argv
-            continue
-        if not trains(argv):
-            continue
-        shown = " ".join(a.replace(tmp + "/", "/tmp/") for a in argv)
-        if shown in NOT_RUN:
-            continue
-        script, flags = argv[0], argv[1:]
-        size = SIZE + model_size(script) + (PRESET_MODEL if "--preset" in flags else [])
-        if flags == ["--resume", "true"]:  # continues the run of the bare command before it, one step further
-            run_dir = first_dirs[script]
-            size = [*size, "--steps", "3"]
-        else:
-            run_dir = os.path.join(tmp, f"run{len(ran)}")
-        full = flags + size + ["--run_dir", run_dir]
-        if not flags and script not in first_dirs:  # the bare command: as a user runs it, one device
-            first_dirs[script] = run_dir
-            r = subprocess.run(
-                [sys.executable, script, *full],
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-                timeout=600,
-                env=sub_env(XLA_FLAGS="", STENCIL_CACHE=os.environ["STENCIL_CACHE"]),
-            )
-            assert r.returncode == 0, (shown, r.stderr[-3000:])
-            assert "--- sample after 2 steps ---" in r.stdout, (shown, r.stdout[-2000:])
-        else:
-            train = load(os.path.join(ROOT, script))
-            out = train.main(cli.parse(train.TrainConfig, os.path.dirname(os.path.join(ROOT, script)), full))
-            assert out["step"] >= 2 and out["losses"], shown
-        ran.append(shown)
 
 
 def test_every_documented_training_command_is_run_or_explained():

@@ -1,6 +1,6 @@
 """shared/runtime/memory.py's estimate against XLA's own compiled memory analysis, where XLA can give one:
 dense's CPU default compiled for one CPU device. (The presets' estimates at scale are checked against
-their devices in tests/test_contract.py, test_trace_preset_at_scale.) Not every variant is this close
+their devices in tests/contract/test_contract.py, test_trace_preset_at_scale.) Not every variant is this close
 on CPU: moe_hero's estimate of its CPU default is 0.11 GB against XLA's 0.19 GB, because on CPU its
 expert matmul runs as a dense masked matmul over every expert, whose temporaries inside one layer's
 backward the estimate does not count (shared/runtime/memory.py, "Not counted")."""

@@ -168,7 +168,7 @@ def test_without_a_context_axis_it_is_the_kernel():
         assert context.size() == 2 and context.axis() == "context"
 
 
-@pytest.mark.integration  # a long run: every folder's loop with the context axis is in tests/test_loop.py's integration runs
+@pytest.mark.integration  # a long run: every folder's loop with the context axis is in tests/contract/test_loop.py's integration runs
 def test_a_run_with_mesh_context_2_trains(tiny_dense, tmp_path):
     """dense's own loop with every row split over 2 devices (data 2 x context 2 x model 2): the loss falls
     over the run's 6 steps, every step finite, and the config it records names the context axis."""

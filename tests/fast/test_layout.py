@@ -42,3 +42,24 @@ def test_the_run_harness_imports_no_evaluation_decoding_command_or_variant():
         "shared.variant",
     }
     assert not own & banned, sorted(own & banned)
+
+
+def test_a_tests_folder_says_its_tier():
+    """tests/fast/ holds no integration test (conftest.py refuses one at collection; here the files themselves
+    name no such mark), and tests/integration/ is marked whole by its folder: a reader sees a test's tier from
+    its path (docs/testing.md)."""
+    import glob
+    import re
+
+    marked = [
+        os.path.relpath(p, ROOT)
+        for p in glob.glob(os.path.join(ROOT, "tests", "fast", "*.py"))
+        if os.path.abspath(p) != os.path.abspath(__file__)  # this file names the marks it looks for
+        and re.search(r"mark\.integration|pytestmark", open(p).read())
+    ]
+    assert not marked, f"integration marks in tests/fast/ (move those tests to tests/integration/): {marked}"
+    assert {os.path.basename(d) for d in glob.glob(os.path.join(ROOT, "tests", "*", ""))} >= {
+        "fast",
+        "integration",
+        "contract",
+    }

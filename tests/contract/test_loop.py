@@ -19,9 +19,9 @@ the non-finite loss and the refusals (four more runs of each loop, after a strai
 the integration tier,
 and test_train.py checks them on dense in the fast tier. Features meeting in the rarer ways are tested
 where they live: a Hugging Face start with the context split, tensor parallelism, micro-batches, a probe
-and the sample in tests/test_hf.py (test_import_a_transformers_model_and_train_from_it), every attention
-backend against auto's in tests/test_contract.py, a restore onto other device counts in test_train.py;
-every documented training command runs in tests/test_doc_commands.py.
+and the sample in tests/integration/test_hf.py (test_import_a_transformers_model_and_train_from_it), every attention
+backend against auto's in tests/contract/test_contract.py, a restore onto other device counts in test_train.py;
+every documented training command runs in tests/fast/test_doc_commands.py.
 
 The harness's own behaviour in depth (locks, kill -9, the watchdog, object stores, every refusal) is
 tested once, on dense, in test_train.py, test_preemption.py and test_objstore.py."""
@@ -110,7 +110,7 @@ def test_the_loop_uses_the_run(variant, small_corpus, tmp_path, capsys):
     train = load(os.path.join(ROOT, variant, "train.py"))
 
     # a straight run with every feature on but the context axis (the integration tier's runs below split the rows
-    # too; tests/test_generate.py decodes and scores on a mesh that splits them): cadences, what each feature leaves
+    # too; tests/fast/test_generate.py decodes and scores on a mesh that splits them): cadences, what each feature leaves
     out = train.main(tiny(train, small_corpus, tmp_path / "a", **features(train, small_corpus, context=1)))
     check_straight(tmp_path / "a", out, capsys.readouterr().out)
 
