@@ -58,7 +58,7 @@ def test_a_tests_folder_says_its_tier():
         and re.search(r"mark\.integration|pytestmark", open(p).read())
     ]
     assert not marked, f"integration marks in tests/fast/ (move those tests to tests/integration/): {marked}"
-    assert {os.path.basename(d) for d in glob.glob(os.path.join(ROOT, "tests", "*", ""))} >= {
+    assert {os.path.basename(os.path.dirname(d)) for d in glob.glob(os.path.join(ROOT, "tests", "*", ""))} >= {
         "fast",
         "integration",
         "contract",
