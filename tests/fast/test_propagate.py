@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-TOOL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "review", "propagate.py")
+from shared.variant import ROOT
+
+TOOL = os.path.join(ROOT, "tools", "review", "propagate.py")
 
 TRAIN = "".join(f"STEP_{i} = {i}  # train setting {i}\n" for i in range(20))
 BODY = "".join(f"def layer_{i}(x):\n    return x * {i}\n" for i in range(9))
