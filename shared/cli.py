@@ -199,8 +199,7 @@ def parse(config_cls, variant_dir: str, argv: list[str] | None = None):
     """Parse argv into `config_cls`; exits with one clear line on a bad flag or invalid value. Parsing the
     process's own command line (`argv` None) also takes its stop signals: until the run's first step a
     signal exits at once, nothing lost (shared/runtime/guard.py, StopSignals)."""
-    if argv is None and not {"-h", "--help"} & set(sys.argv[1:]):
-        guard.STOP = guard.StopSignals(starting=True)
+    own = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     log = logging.getLogger("stencil")  # shared/ logs its choices (e.g. the attention backend) here
     if not log.handlers:
@@ -228,6 +227,8 @@ def parse(config_cls, variant_dir: str, argv: list[str] | None = None):
             distributed.initialize()  # before anything touches a JAX backend
         except distributed.DistributedError as e:
             sys.exit(f"error: {e}")
+        if own:  # after jax.distributed, which installs a SIGTERM handler of its own
+            guard.STOP = guard.StopSignals(starting=True)
     if helping:
         print(
             f"presets (--preset NAME, from {os.path.relpath(variant_dir)}/presets/): "

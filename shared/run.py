@@ -475,6 +475,7 @@ class Run:
         complete already (a no-op resume) says so and does nothing else: no peak measured, no wandb run opened."""
         cfg, mesh, quiet = self.cfg, self.mesh, self.complete
         self.stop = guard.STOP or guard.StopSignals()  # SIGTERM / SIGINT / SIGUSR1: finish the step, save, exit 75
+        self.stop.install()  # again: what ran since the command line's parse may have set handlers of its own
         self.stop.starting, self.stop.last_saved = False, lambda: checkpoint.latest_name(self.ckpt_dir)
         self.flops_per_token, self.schedule = flops_per_token, schedule
         self.peak, self.peak_src = (None, "") if quiet else flops.device_peak(cfg.model.compute_dtype)

@@ -239,9 +239,14 @@ class StopSignals:
         self.resume_from: str | None = None  # the checkpoint the run continues, once found (Run)
         self.last_saved = lambda: "none"  # the run's last complete checkpoint, "none" if none (Run.begin)
         self._previous = {}
+        self.install()
+
+    def install(self) -> None:
+        """(Re)take the signals: a library may have set its own handlers since (jax.distributed sets SIGTERM's)."""
         if threading.current_thread() is threading.main_thread():  # handlers only install there
             for s in self.SIGNALS:
-                self._previous[s] = signal.signal(s, self._handle)
+                previous = signal.signal(s, self._handle)
+                self._previous.setdefault(s, previous)
 
     def _handle(self, signum, frame):
         name = signal.Signals(signum).name
@@ -282,7 +287,8 @@ class StopSignals:
     def restore(self) -> None:
         global STOP
         for s, h in self._previous.items():
-            signal.signal(s, h)
+            if h is not None:  # None: a handler set outside Python, which cannot be put back from here
+                signal.signal(s, h)
         self._previous = {}
         if STOP is self:
             STOP = None

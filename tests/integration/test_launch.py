@@ -14,8 +14,9 @@ import pytest
 from shared.storage import checkpoint
 from shared.variant import ROOT
 from helpers import finish, losses, sub_env
-import slurm
 from fast.test_launch import LAUNCH, LOCAL, SCRIPT, _calls, _port, _stubs, train  # (tests/fast/test_launch.py)
+
+import slurm  # noqa: E402  (launch/slurm.py, on the path the fast half puts launch/ on)
 
 
 @pytest.mark.integration  # multi-process: a real 2-process run on loopback (jax.distributed)

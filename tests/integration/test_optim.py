@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from shared import optim
 from shared.weights import init_params
-from fast.test_optim import decl, mesh_of, run  # (tests/fast/test_optim.py)
+from fast.test_optim import _one_device_mesh, decl, mesh_of, run  # noqa: F401  (tests/fast/test_optim.py; its autouse mesh)
 
 
 # 20-150 s each on 2 cores: the integration tier (the fast tier's test_optim cases check each optimizer's
